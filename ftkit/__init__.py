@@ -1,0 +1,29 @@
+"""ftkit: fault tolerance for hybrid-parallel training.
+
+Public API: :class:`Checkpointer`, :class:`Topology`, :class:`Config`, :class:`RNGState` and
+the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
+``import ftkit`` works on a login node without MPI.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ftkit.capture.rng import RNGState
+from ftkit.config import Config
+from ftkit.errors import (CheckpointError, ConfigError, CorruptCheckpointError, FtkitError,
+                          LaunchError, NoCheckpointError, UnrecoverableError)
+
+__version__ = "0.1.0"
+__all__ = ["Checkpointer", "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError",
+           "FtkitError", "LaunchError", "NoCheckpointError", "RNGState", "Topology",
+           "UnrecoverableError", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Topology":
+        from ftkit.comm.topology import Topology
+        return Topology
+    if name == "Checkpointer":
+        from ftkit.checkpointer import Checkpointer
+        return Checkpointer
+    raise AttributeError(f"module 'ftkit' has no attribute {name!r}")

@@ -1,0 +1,52 @@
+"""Random-number-generator state of Python, NumPy, torch CPU and every CUDA device."""
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class RNGState:
+    """Put an instance in the checkpointed state; it captures and restores every RNG.
+
+    ``state_dict()`` is taken at capture time, so a checkpoint holds the generators exactly
+    as they were when ``save`` was called.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        np_state = np.random.get_state()
+        out: dict[str, Any] = {
+            "python": {"version": version, "state": np.asarray(internal, dtype=np.uint64),
+                       "gauss": gauss},
+            "numpy": {"kind": np_state[0], "keys": np.asarray(np_state[1]).copy(),
+                      "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                      "gauss": float(np_state[4])},
+        }
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            out["torch"] = torch.get_rng_state()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                out["cuda"] = list(torch.cuda.get_rng_state_all())
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        py = sd["python"]
+        random.setstate((py["version"], tuple(int(v) for v in py["state"]), py["gauss"]))
+        n = sd["numpy"]
+        np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"],
+                             n["has_gauss"], n["gauss"]))
+        if "torch" in sd:
+            import torch
+            torch.set_rng_state(sd["torch"].clone().to(torch.uint8))
+            if "cuda" in sd:
+                if torch.cuda.is_available():
+                    torch.cuda.set_rng_state_all([s.clone() for s in sd["cuda"]])
+                else:
+                    log.warning("checkpoint holds CUDA RNG state but CUDA is not available; "
+                                "CUDA generators not restored")

@@ -1,0 +1,222 @@
+"""The public entry point: :class:`Checkpointer` (DESIGN §2).
+
+``save`` captures the state on the calling thread (phase ``capture``) and, with
+``FTKIT_ASYNC=1``, runs the rest of the protocol on one background thread over a duplicated
+communicator. A new ``save`` first waits for the previous checkpoint to finish, so versions
+never interleave and the staging buffers can be reused.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, MutableMapping
+
+from mpi4py import MPI
+
+from ftkit import __version__
+from ftkit.capture.flatten import flatten
+from ftkit.capture.staging import Stager
+from ftkit.comm.dist import DistComm, describe
+from ftkit.comm.topology import Topology
+from ftkit.config import IMPLEMENTED_LEVELS, Config
+from ftkit.errors import ConfigError, ProtocolTimeout
+from ftkit.events import append_event
+from ftkit.log import setup_rank_logging
+from ftkit.protocol.twophase import Snapshot, TwoPhase, raise_if_failed
+from ftkit.recovery import restore as recovery
+from ftkit.storage.local import COMMITTED, LocalLevel, write_record
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+State = MutableMapping[str, Any]
+
+
+class Checkpointer:
+    """Coordinated multi-level checkpoints of one job. Construct on every rank (collective)."""
+
+    def __init__(self, topo: Topology, config: Config | None = None) -> None:
+        self.topo = topo
+        self.config = config = config or Config.load()
+        setup_rank_logging(topo.rank, config.log_level)
+        _check_levels(config)
+        self.dc = DistComm(topo.comm, config.timeout)
+        root = config.job_local_dir / f"node-{topo.node}"
+        self.faults = Faults(config.faults, rank=topo.rank, node=topo.node,
+                             attempt=config.attempt, rank_node=topo.rank_node, node_dir=root)
+        self.local = LocalLevel(root, rank=topo.rank, node_leader=topo.is_node_leader,
+                                faults=self.faults)
+        self._prepare_dirs()
+        self.proto = TwoPhase(self.dc, {"local": self.local}, self.faults,
+                              before_write=self._retain_for, emit=self._emit)
+        self.stager = Stager()
+        self.last_committed: int | None = None
+        self.blocked_seconds: list[float] = []
+        self._async = config.async_ and self._threads_ok()
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-ckpt") if self._async \
+            else None
+        self._pending: cf.Future[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------- public API
+    def restore(self, state: State) -> int:
+        """Load the newest step committed and intact everywhere into ``state``; return it
+        (0 when none). All ranks call."""
+        self.wait()
+        t0 = time.monotonic()
+        found = recovery.discover(self.dc, self.local, self.faults, self._emit)
+        self.faults.fire("restore-rebuild", found.step)
+        if found.step:
+            recovery.load(self.dc, self.local, self.faults, found.step, state)
+            self.last_committed = found.step
+        self._after_restore(found)
+        self._emit("restore", step=found.step, skipped=sorted(found.skipped),
+                   seconds=round(time.monotonic() - t0, 6))
+        if found.step:
+            log.info("restored step %d", found.step)
+        return found.step
+
+    def save(self, step: int, state: State) -> None:
+        """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
+        ``step``. Returns after ``capture`` when async. All ranks call, with the same step."""
+        self.wait()
+        levels = self.config.levels_due(step)
+        if not levels:
+            return
+        t0 = time.perf_counter()
+        snap = self._capture(step, levels, state)
+        self.blocked_seconds.append(time.perf_counter() - t0)
+        if self._pool is not None:
+            self._pending = self._pool.submit(self._protocol, snap)
+        else:
+            self._protocol(snap)
+
+    def wait(self) -> None:
+        """Wait for the background checkpoint, re-raising its CheckpointError. Local."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result(timeout=self.config.timeout * 6)
+        except cf.TimeoutError:
+            self._abort(f"background checkpoint did not finish within "
+                        f"{self.config.timeout * 6:g} s")
+
+    def close(self) -> None:
+        """Finish background work, then mark the job complete once every rank got here.
+        All ranks call."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+        self.dc.barrier("close")
+        done = os.environ.get("FTKIT_DONE_FILE")
+        if done and self.topo.rank == 0:
+            marker = Path(done)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            write_record(marker, {"job": self.config.job, "attempt": self.config.attempt,
+                                  "last_committed": self.last_committed, "time": time.time()})
+        self.dc.free()
+
+    # -------------------------------------------------------------- internals
+    def _capture(self, step: int, levels: tuple[str, ...], state: State) -> Snapshot:
+        snap = Snapshot(step, levels)
+        try:
+            self.faults.fire("capture", step)
+            tree, leaves = flatten(state)
+            snap.buffers = self.stager.capture(leaves)
+            for leaf in leaves:
+                leaf.source = None          # no reference to live tensors past capture
+            snap.tree, snap.leaves = tree, leaves
+            snap.meta = {"job": self.config.job, "step": step, "rank": self.topo.rank,
+                         "world": self.topo.world, "topology": self.topo.describe(),
+                         "time": time.time(), "ftkit": __version__}
+        except Exception as exc:  # noqa: BLE001 - this rank votes no
+            log.error("rank %d: capture of step %d failed: %s", self.topo.rank, step,
+                      describe(exc))
+            snap.failure = describe(exc)
+        return snap
+
+    def _protocol(self, snap: Snapshot) -> None:
+        try:
+            out = self.proto.run(snap)
+        except ProtocolTimeout as exc:
+            self._abort(str(exc))
+            raise
+        if out.committed:
+            self.last_committed = snap.step
+        raise_if_failed(out)
+
+    def _retain_for(self, step: int) -> None:
+        """Before writing tentative ``step``: keep it and the newest permanent version."""
+        keep = {step} | ({self.last_committed} if self.last_committed is not None else set())
+        self.local.retain(keep)
+
+    def _after_restore(self, found: recovery.Discovery) -> None:
+        """Keep the restored step (completing its commit record) and one older committed
+        step; drop newer or uncommitted versions. All ranks call (node leaders act)."""
+        older = [s for s in found.committed if s < found.step][:1]
+        keep = ({found.step} if found.step else set()) | set(older)
+        if found.step and self.topo.is_node_leader and not self.local.is_committed(found.step):
+            write_record(self.local.step_dir(found.step) / COMMITTED,
+                         {"step": found.step, "decision": "commit", "time": time.time(),
+                          "world": self.topo.world, "completed_by": "restore"})
+        self.local.retain(keep)
+        self.dc.barrier("restore-load", found.step)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        """Append an event line (rank 0 only); never fails the checkpoint."""
+        if self.topo.rank != 0:
+            return
+        try:
+            append_event(self.config.events_path, event, job=self.config.job,
+                         attempt=self.config.attempt, **fields)
+        except OSError as exc:
+            log.warning("cannot append to %s: %s", self.config.events_path, exc)
+
+    def _prepare_dirs(self) -> None:
+        """Create the node-local directory on every rank; ConfigError everywhere if any
+        rank cannot. All ranks call."""
+        failure = None
+        try:
+            self.local.prepare()
+        except OSError as exc:
+            failure = f"cannot use local directory {self.local.root}: {describe(exc)}"
+        failures = self.dc.agree(failure, "prepare", -1)
+        if failures:
+            raise ConfigError("FTKIT_LOCAL_DIR is not usable: " + "; ".join(
+                f"rank {r}: {f}" for r, f in sorted(failures.items())))
+
+    def _threads_ok(self) -> bool:
+        if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            return True
+        log.warning("MPI provides no THREAD_MULTIPLE; checkpoints run synchronously")
+        return False
+
+    def _abort(self, why: str) -> None:
+        """A peer is dead or hung: no consensus is possible without it. Abort the world."""
+        log.critical("rank %d: %s; aborting the MPI job", self.topo.rank, why)
+        self._emit("timeout", reason=why)
+        _flush_logs()
+        MPI.COMM_WORLD.Abort(3)
+
+
+def _check_levels(config: Config) -> None:
+    todo = [name for name, _ in config.levels if name not in IMPLEMENTED_LEVELS]
+    if todo:
+        raise ConfigError(f"FTKIT_LEVELS: level(s) {', '.join(todo)} are not implemented in "
+                          f"ftkit {__version__} (implemented: {', '.join(IMPLEMENTED_LEVELS)}); "
+                          f"set e.g. FTKIT_LEVELS=local:1")
+
+
+def _flush_logs() -> None:
+    for handler in logging.getLogger("ftkit").handlers:
+        handler.flush()
+
+

@@ -1,0 +1,155 @@
+"""Process topology: DP/TP/PP groups, nodes, partner map.
+
+Rank order follows Megatron: tp fastest, then dp, then pp::
+
+    rank = pp_idx * (dp * tp) + dp_idx * tp + tp_idx
+
+Nodes come from ``MPI.COMM_TYPE_SHARED`` or, for tests on one machine, from
+``FTKIT_RANKS_PER_NODE=K`` (consecutive blocks of K ranks form a *virtual node*).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from mpi4py import MPI
+
+from ftkit.comm.dist import install_abort_hooks
+from ftkit.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Coords:
+    """Position of one rank in the DP x TP x PP grid."""
+
+    dp: int
+    tp: int
+    pp: int
+
+
+def coords_of(rank: int, dp: int, tp: int, pp: int) -> Coords:
+    """Grid coordinates of ``rank`` (pure)."""
+    return Coords(dp=(rank // tp) % dp, tp=rank % tp, pp=rank // (tp * dp))
+
+
+def check_shape(world: int, tp: int, pp: int) -> int:
+    """Return dp for a world of ``world`` ranks split into tp x pp, or raise ConfigError."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    if world % (tp * pp):
+        raise ConfigError(f"world size {world} is not divisible by tp*pp = {tp}*{pp} = "
+                          f"{tp * pp}")
+    return world // (tp * pp)
+
+
+def virtual_nodes(world: int, ranks_per_node: int) -> list[int]:
+    """Node id of every rank when consecutive blocks of ``ranks_per_node`` form a node."""
+    if ranks_per_node < 1:
+        raise ConfigError(f"FTKIT_RANKS_PER_NODE must be >= 1, got {ranks_per_node}")
+    return [r // ranks_per_node for r in range(world)]
+
+
+def ring_partners(rank_node: list[int]) -> list[int]:
+    """Partner of every rank: the rank with the same position on the next node (ring).
+
+    Rank r's copy is stored on ``partners[r]``, which always lives on a different node.
+    Raises ConfigError when there is only one node.
+    """
+    nodes = sorted(set(rank_node))
+    if len(nodes) < 2:
+        raise ConfigError(f"a partner on a different node is impossible: all {len(rank_node)} "
+                          f"ranks are on 1 node (set FTKIT_RANKS_PER_NODE or use >= 2 nodes)")
+    members = {n: [r for r, m in enumerate(rank_node) if m == n] for n in nodes}
+    partners = []
+    for rank, node in enumerate(rank_node):
+        pos = members[node].index(rank)
+        nxt = members[nodes[(nodes.index(node) + 1) % len(nodes)]]
+        partners.append(nxt[pos % len(nxt)])
+    return partners
+
+
+class Topology:
+    """Communicators and placement of one job. Build it with :meth:`create` (collective)."""
+
+    def __init__(self, comm: MPI.Comm, *, dp: int, tp: int, pp: int, rank_node: list[int],
+                 node_comm: MPI.Comm, dp_group: MPI.Comm, tp_group: MPI.Comm,
+                 pp_group: MPI.Comm) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.world = comm.Get_size()
+        self.dp, self.tp, self.pp = dp, tp, pp
+        self.coords = coords_of(self.rank, dp, tp, pp)
+        self.rank_node = rank_node
+        self.node = rank_node[self.rank]
+        self.node_comm = node_comm
+        self.node_rank = node_comm.Get_rank()
+        self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
+
+    @classmethod
+    def create(cls, comm: MPI.Comm, tp: int = 1, pp: int = 1,
+               ranks_per_node: int | None = None) -> "Topology":
+        """Split ``comm`` into DP/TP/PP groups and detect nodes. All ranks of ``comm`` call.
+
+        ``ranks_per_node`` defaults to ``$FTKIT_RANKS_PER_NODE`` (virtual nodes) and, when
+        unset, to the real nodes found with ``COMM_TYPE_SHARED``.
+        """
+        install_abort_hooks()
+        world, rank = comm.Get_size(), comm.Get_rank()
+        dp = check_shape(world, tp, pp)
+        if ranks_per_node is None:
+            env = os.environ.get("FTKIT_RANKS_PER_NODE", "")
+            try:
+                ranks_per_node = int(env) if env else 0
+            except ValueError:
+                raise ConfigError(f"FTKIT_RANKS_PER_NODE: expected an integer, got {env!r}") from None
+        if ranks_per_node:
+            rank_node = virtual_nodes(world, ranks_per_node)
+        else:
+            rank_node = _real_nodes(comm)
+        node_comm = comm.Split(rank_node[rank], rank)
+        c = coords_of(rank, dp, tp, pp)
+        tp_group = comm.Split(c.pp * dp + c.dp, rank)
+        dp_group = comm.Split(c.pp * tp + c.tp, rank)
+        pp_group = comm.Split(c.dp * tp + c.tp, rank)
+        return cls(comm, dp=dp, tp=tp, pp=pp, rank_node=rank_node, node_comm=node_comm,
+                   dp_group=dp_group, tp_group=tp_group, pp_group=pp_group)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def nodes(self) -> list[int]:
+        return sorted(set(self.rank_node))
+
+    @property
+    def is_node_leader(self) -> bool:
+        return self.node_rank == 0
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.rank_node) if n == node]
+
+    def partner_map(self) -> list[int]:
+        """``partners[r]`` stores rank r's copy; always on another node (ConfigError if none)."""
+        return ring_partners(self.rank_node)
+
+    def describe(self) -> dict[str, int]:
+        """JSON-able description stored in shard headers."""
+        return {"world": self.world, "dp": self.dp, "tp": self.tp, "pp": self.pp,
+                "dp_idx": self.coords.dp, "tp_idx": self.coords.tp, "pp_idx": self.coords.pp,
+                "node": self.node, "nodes": len(self.nodes)}
+
+    def free(self) -> None:
+        """Free the sub-communicators (local)."""
+        for c in (self.node_comm, self.dp_group, self.tp_group, self.pp_group):
+            try:
+                c.Free()
+            except MPI.Exception:
+                pass
+
+
+def _real_nodes(comm: MPI.Comm) -> list[int]:
+    """Node id of every rank from COMM_TYPE_SHARED; nodes numbered by their lowest rank."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
+    shared.Free()
+    leaders = comm.allgather(leader)
+    order = {r: i for i, r in enumerate(sorted(set(leaders)))}
+    return [order[r] for r in leaders]

@@ -1,0 +1,213 @@
+"""Frozen run configuration.
+
+Precedence (lowest to highest): built-in defaults < ``ftkit.toml`` (``[ftkit]`` table) <
+``FTKIT_*`` environment variables < keyword arguments of :meth:`Config.load`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from ftkit.errors import ConfigError
+
+LEVEL_NAMES = ("local", "partner", "xor", "rs", "pfs")
+#: Levels this build implements; the others are accepted by the parser but rejected at use.
+IMPLEMENTED_LEVELS = ("local",)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _default_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def parse_levels(text: str) -> tuple[tuple[str, int], ...]:
+    """Parse ``"local:1,partner:1,pfs:50"`` into ``(("local", 1), ...)``."""
+    out: list[tuple[str, int]] = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        name, sep, every = item.partition(":")
+        if name not in LEVEL_NAMES:
+            raise ConfigError(f"FTKIT_LEVELS: unknown level {name!r} in {text!r}; "
+                              f"valid levels: {', '.join(LEVEL_NAMES)}")
+        try:
+            interval = int(every) if sep else 1
+        except ValueError:
+            raise ConfigError(f"FTKIT_LEVELS: interval of {name!r} must be a positive integer, "
+                              f"got {every!r} in {text!r}") from None
+        if interval < 1:
+            raise ConfigError(f"FTKIT_LEVELS: interval of {name!r} must be >= 1, got {interval}")
+        if any(n == name for n, _ in out):
+            raise ConfigError(f"FTKIT_LEVELS: level {name!r} given twice in {text!r}")
+        out.append((name, interval))
+    if not out:
+        raise ConfigError(f"FTKIT_LEVELS: no level given in {text!r}; "
+                          f"format is level:every[,level:every...]")
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Immutable ftkit settings; see DESIGN §3 for the meaning of every field."""
+
+    job: str = "local"
+    local_dir: str = ""
+    pfs_dir: str = "./ftkit-ckpt"
+    levels: tuple[tuple[str, int], ...] = (("local", 1), ("partner", 1), ("pfs", 50))
+    xor_set: int = 4
+    rs_set: int = 4
+    rs_parity: int = 2
+    ranks_per_node: int = 0          # 0 = detect real nodes
+    async_: bool = True
+    timeout: float = 120.0
+    faults: str = ""
+    attempt: int = 0
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if not self.local_dir:
+            object.__setattr__(self, "local_dir", f"/dev/shm/ftkit-{_default_user()}")
+        if not self.job or "/" in self.job or self.job in (".", ".."):
+            raise ConfigError(f"FTKIT_JOB: {self.job!r} is not a valid directory name")
+        for key in ("xor_set", "rs_set"):
+            if getattr(self, key) < 2:
+                raise ConfigError(f"FTKIT_{key.upper()}: must be >= 2, got {getattr(self, key)}")
+        if not 1 <= self.rs_parity < self.rs_set:
+            raise ConfigError(f"FTKIT_RS_PARITY: must be in [1, FTKIT_RS_SET-1="
+                              f"{self.rs_set - 1}], got {self.rs_parity}")
+        if self.ranks_per_node < 0:
+            raise ConfigError(f"FTKIT_RANKS_PER_NODE: must be >= 1, got {self.ranks_per_node}")
+        if not self.timeout > 0:
+            raise ConfigError(f"FTKIT_TIMEOUT: must be > 0 seconds, got {self.timeout}")
+        if self.attempt < 0:
+            raise ConfigError(f"FTKIT_ATTEMPT: must be >= 0, got {self.attempt}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"FTKIT_LOG_LEVEL: {self.log_level!r}; valid: {', '.join(LOG_LEVELS)}")
+        object.__setattr__(self, "log_level", self.log_level.upper())
+        if self.faults:
+            from ftkit.testing.faults import parse_faults
+            parse_faults(self.faults)   # validate early; raises ConfigError
+
+    # ----------------------------------------------------------------- derived
+    def interval(self, level: str) -> int:
+        """Interval of ``level`` or 0 when the level is not configured."""
+        return dict(self.levels).get(level, 0)
+
+    def levels_due(self, step: int) -> tuple[str, ...]:
+        """Levels whose interval divides ``step``."""
+        return tuple(name for name, every in self.levels if step % every == 0)
+
+    @property
+    def job_local_dir(self) -> Path:
+        return Path(self.local_dir) / self.job
+
+    @property
+    def job_pfs_dir(self) -> Path:
+        return Path(self.pfs_dir) / self.job
+
+    @property
+    def events_path(self) -> Path:
+        return self.job_pfs_dir / "events.jsonl"
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, toml_path: str | os.PathLike[str] | None = None,
+             env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Build a Config from defaults, ``ftkit.toml``, ``FTKIT_*`` variables and overrides.
+
+        ``toml_path`` defaults to ``$FTKIT_CONFIG`` or ``./ftkit.toml`` when that exists.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        if "SLURM_JOB_ID" in env:
+            values["job"] = env["SLURM_JOB_ID"]
+        path = Path(toml_path) if toml_path else Path(env.get("FTKIT_CONFIG", "ftkit.toml"))
+        if path.is_file():
+            values.update(_from_toml(path))
+        elif toml_path is not None:
+            raise ConfigError(f"config file {path} does not exist")
+        values.update(_from_env(env))
+        for key, raw in overrides.items():
+            field = _KWARG_ALIASES.get(key, key)
+            if field not in _FIELDS:
+                raise ConfigError(f"Config.load: unknown option {key!r}; valid: "
+                                  f"{', '.join(sorted(_FIELDS))}")
+            values[field] = _coerce(field, raw, f"Config.load({key}=...)")
+        return cls(**values)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_KWARG_ALIASES = {"async": "async_"}
+# environment / toml key -> field name
+_KEYS = {
+    "JOB": "job", "LOCAL_DIR": "local_dir", "PFS_DIR": "pfs_dir", "LEVELS": "levels",
+    "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity",
+    "RANKS_PER_NODE": "ranks_per_node", "ASYNC": "async_", "TIMEOUT": "timeout",
+    "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level",
+}
+#: FTKIT_* variables that are not configuration but are set by ftkit itself.
+_RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_ROOT"}
+
+
+def _coerce(field: str, raw: Any, where: str) -> Any:
+    kind = _FIELDS[field].type
+    try:
+        if field == "levels":
+            return parse_levels(raw) if isinstance(raw, str) else tuple(
+                (str(n), int(e)) for n, e in raw)
+        if field == "async_":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if kind in ("int", int):
+            return int(raw)
+        if kind in ("float", float):
+            return float(raw)
+        return str(raw)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError):
+        valid = {"async_": "0 or 1", "levels": "level:every[,level:every...]"}.get(
+            field, "an integer" if kind in ("int", int) else "a number")
+        raise ConfigError(f"{where}: malformed value {raw!r}; expected {valid}") from None
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith("FTKIT_") or key in _RESERVED_ENV:
+            continue
+        short = key[len("FTKIT_"):]
+        if short not in _KEYS:
+            raise ConfigError(f"unknown environment variable {key}; valid: "
+                              + ", ".join(f"FTKIT_{k}" for k in _KEYS))
+        out[_KEYS[short]] = _coerce(_KEYS[short], raw, key)
+    return out
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    table = data.get("ftkit", {})
+    out: dict[str, Any] = {}
+    for key, raw in table.items():
+        short = key.upper()
+        if short not in _KEYS:
+            raise ConfigError(f"{path}: unknown key {key!r} in [ftkit]; valid: "
+                              + ", ".join(k.lower() for k in _KEYS))
+        out[_KEYS[short]] = _coerce(_KEYS[short], raw, f"{path}: {key}")
+    return out

@@ -1,0 +1,69 @@
+"""Exception tree of ftkit.
+
+Every error that concerns a checkpoint names the rank, the step, the level and the file
+where it can, so that a user reading one line of a log knows where to look.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class FtkitError(Exception):
+    """Base class of every error ftkit raises on purpose."""
+
+
+class ConfigError(FtkitError, ValueError):
+    """A configuration key or value (or a topology shape) is invalid."""
+
+
+class CheckpointError(FtkitError):
+    """A collective checkpoint operation failed on one or more ranks.
+
+    Raised with the *same* ``failures`` mapping on every rank, so that all ranks take the
+    same decision (the mpi4py "abort, don't hang" rule).
+    """
+
+    def __init__(self, step: int, failures: Mapping[int, str], message: str = "") -> None:
+        self.step = step
+        self.failures = dict(sorted(failures.items()))
+        lines = "; ".join(f"rank {r}: {why}" for r, why in self.failures.items())
+        head = message or f"checkpoint of step {step} failed"
+        super().__init__(f"{head}: {lines}" if lines else head)
+
+
+class ProtocolTimeout(CheckpointError):
+    """A protocol phase did not complete within ``FTKIT_TIMEOUT`` seconds."""
+
+
+class NoCheckpointError(FtkitError):
+    """A command asked for a checkpoint that does not exist."""
+
+
+class CorruptCheckpointError(FtkitError):
+    """A shard or record failed validation (magic, header, size, checksum, identity)."""
+
+    def __init__(self, path: str, reason: str, *, rank: int | None = None,
+                 step: int | None = None, level: str = "local") -> None:
+        self.path = path
+        self.reason = reason
+        self.rank = rank
+        self.step = step
+        self.level = level
+        where = [f"level {level}"]
+        if rank is not None:
+            where.append(f"rank {rank}")
+        if step is not None:
+            where.append(f"step {step}")
+        super().__init__(f"{path} ({', '.join(where)}): {reason}")
+
+
+class UnrecoverableError(FtkitError):
+    """No copy of a required shard survives on any level."""
+
+
+class LaunchError(FtkitError):
+    """``ftkit run`` could not launch or relaunch the job."""
+
+
+class InjectedFault(FtkitError):
+    """Raised by the ``raise`` kind of fault injection (FTKIT_FAULTS)."""

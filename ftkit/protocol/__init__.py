@@ -1,0 +1,1 @@
+"""The two-phase coordinated checkpoint (Koo–Toueg style)."""

@@ -1,0 +1,146 @@
+"""One coordinated checkpoint: write-local, encode, vote, decide, commit (DESIGN §4).
+
+Every rank runs :meth:`TwoPhase.run` for the same step, in the same order (it is a collective
+over ``dc``). A failure on any rank before the vote makes that rank vote *no*; the
+coordinator (rank 0) durably records a *commit* decision before announcing it; every rank
+then makes the step permanent, or discards it on *abort*. A final exchange makes every rank
+raise the same :class:`CheckpointError` when anything failed anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from ftkit.capture.flatten import TensorLeaf
+from ftkit.comm.dist import DistComm, describe
+from ftkit.errors import CheckpointError
+from ftkit.storage.level import Level
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+COORDINATOR = 0
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What ``capture`` produced on one rank for one step (or why it could not)."""
+
+    step: int
+    levels: tuple[str, ...]
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tree: Any = None
+    leaves: list[TensorLeaf] = dataclasses.field(default_factory=list)
+    buffers: list[np.ndarray] = dataclasses.field(default_factory=list)
+    failure: str | None = None
+    captured_at: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """Result of one checkpoint, identical on every rank."""
+
+    step: int
+    committed: bool
+    failures: dict[int, str]
+    seconds: float
+
+
+class TwoPhase:
+    """Runs the protocol for one rank. ``before_write`` is called by every rank right before
+    its tentative shard is written (the checkpointer uses it for retention)."""
+
+    def __init__(self, dc: DistComm, levels: dict[str, Level], faults: Faults,
+                 before_write: Callable[[int], None], emit: Callable[..., None]) -> None:
+        self.dc = dc
+        self.levels = levels
+        self.faults = faults
+        self.before_write = before_write
+        self.emit = emit   # emit(event, **fields): events.jsonl on the coordinator
+
+    def run(self, snap: Snapshot) -> Outcome:
+        """Run phases write-local .. commit for ``snap.step``. All ranks call."""
+        t0 = time.monotonic()
+        step = snap.step
+        failure = snap.failure or self._local(snap)
+        try:
+            self.faults.fire("vote", step)
+        except Exception as exc:  # noqa: BLE001 - a failing voter votes no
+            failure = failure or describe(exc)
+        votes = self.dc.gather(failure, "vote", step, root=COORDINATOR)
+        decision = self.dc.bcast(self._decide(step, votes) if votes is not None else None,
+                                 "decide", step, root=COORDINATOR)
+        late = self._finish(step, decision)
+        late_failures = self.dc.agree(late, "commit", step)
+        failures = {int(r): f for r, f in decision["failures"].items()} | late_failures
+        out = Outcome(step, decision["commit"], failures, time.monotonic() - t0)
+        if self.dc.rank == COORDINATOR:
+            self.emit("commit" if out.committed else "abort", step=step,
+                      seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
+        return out
+
+    def _local(self, snap: Snapshot) -> str | None:
+        """Phases write-local and encode on this rank; returns a failure or None."""
+        step = snap.step
+        try:
+            self.faults.fire("write-local", step)
+            self.before_write(step)
+            for name in snap.levels:
+                self.levels[name].write_tentative(step, snap.meta, snap.tree, snap.leaves,
+                                                  snap.buffers)
+            self.faults.fire("encode", step)
+            for name in snap.levels:
+                self.levels[name].encode(step)
+        except Exception as exc:  # noqa: BLE001 - reported through the vote
+            log.error("rank %d: step %d failed before the vote: %s", self.dc.rank, step,
+                      describe(exc))
+            return describe(exc)
+        return None
+
+    def _decide(self, step: int, votes: list[str | None]) -> dict[str, Any]:
+        """Coordinator: decide, record a commit durably, then return the announcement."""
+        failures = {r: v for r, v in enumerate(votes) if v is not None}
+        commit = not failures
+        try:
+            self.faults.fire("decide", step)
+            if commit:
+                record = {"step": step, "decision": "commit", "time": time.time(),
+                          "world": self.dc.size}
+                for level in self.levels.values():
+                    level.record_commit(step, record)
+        except Exception as exc:  # noqa: BLE001 - no durable record: abort
+            failures[self.dc.rank] = describe(exc)
+            commit = False
+        return {"commit": commit, "failures": failures}
+
+    def _finish(self, step: int, decision: dict[str, Any]) -> str | None:
+        """Phase commit on this rank; returns a late failure or None."""
+        try:
+            if self.dc.rank != COORDINATOR:
+                self.faults.fire("decide", step)
+            self.faults.fire("commit", step)
+            record = {"step": step, "decision": "commit", "time": time.time(),
+                      "world": self.dc.size}
+            for level in self.levels.values():
+                if decision["commit"]:
+                    level.commit(step, record)
+                else:
+                    level.discard(step)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            return describe(exc)
+        return None
+
+
+def raise_if_failed(out: Outcome) -> None:
+    """Raise the same CheckpointError on every rank if ``out`` reports failures."""
+    if out.failures:
+        state = "committed, but" if out.committed else "aborted;"
+        raise CheckpointError(out.step, out.failures,
+                              message=f"checkpoint of step {out.step} {state} failures")

@@ -1,0 +1,1 @@
+"""Restore: discover the newest usable committed step, rebuild, load."""

@@ -1,0 +1,1 @@
+"""Storage levels and the shard format."""

@@ -1,0 +1,143 @@
+"""Node-local level: ``$FTKIT_LOCAL_DIR/<job>/node-<id>/step-<s>/rank-<r>.ftk``.
+
+A step directory without ``COMMITTED`` holds tentative shards; with it, permanent ones.
+Retention: when the tentative version of step ``s`` is started, the node leader drops every
+version older than the newest permanent one. So the level holds at most two versions at any
+time (permanent + tentative while a checkpoint runs; newest + previous permanent between
+checkpoints, which leaves a fallback if the newest turns out corrupted).
+
+Directories are private (0700), shards 0600. A rank only ever touches its own node's directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ftkit.capture.flatten import TensorLeaf
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage.level import Level
+from ftkit.storage.shard import Shard, fsync_dir, write_shard
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+_STEP_RE = re.compile(r"^step-(\d+)$")
+COMMITTED = "COMMITTED"
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) with mode 0700; tighten an existing one."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Durably write a small JSON record (temp file, fsync, rename, fsync dir)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+        json.dump(record, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class LocalLevel(Level):
+    """Node-local storage of one rank."""
+
+    name = "local"
+
+    def __init__(self, root: Path, *, rank: int, node_leader: bool, faults: Faults) -> None:
+        self.root = root            # .../<job>/node-<id>
+        self.rank = rank
+        self.node_leader = node_leader
+        self.faults = faults
+
+    def prepare(self) -> None:
+        """Create the node directory (private) and check it is writable. Local."""
+        make_private_dir(self.root)
+        probe = self.root / f".probe-rank-{self.rank}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+    # ---------------------------------------------------------------- paths
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def shard_path(self, step: int, rank: int | None = None) -> Path:
+        return self.step_dir(step) / f"rank-{self.rank if rank is None else rank}.ftk"
+
+    def steps(self) -> list[int]:
+        """Steps with a directory on this node, ascending."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+
+    # -------------------------------------------------------------- protocol
+    def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
+                        leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> None:
+        make_private_dir(self.step_dir(step))
+        path = self.shard_path(step)
+        write_shard(path, meta, tree, leaves, buffers)
+        self.faults.after_write(path, level=self.name, step=step)
+
+    def record_commit(self, step: int, record: dict[str, Any]) -> None:
+        write_record(self.step_dir(step) / COMMITTED, record)
+
+    def commit(self, step: int, record: dict[str, Any]) -> None:
+        if self.node_leader and not (self.step_dir(step) / COMMITTED).exists():
+            make_private_dir(self.step_dir(step))
+            write_record(self.step_dir(step) / COMMITTED, record)
+
+    def discard(self, step: int) -> None:
+        self.shard_path(step).unlink(missing_ok=True)
+
+    def record_world(self, step: int) -> int | None:
+        """World size in the node's commit record of ``step`` (None if absent/unreadable)."""
+        try:
+            return int(json.loads((self.step_dir(step) / COMMITTED).read_text())["world"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def is_committed(self, step: int) -> bool:
+        return (self.step_dir(step) / COMMITTED).is_file()
+
+    def retain(self, keep: set[int]) -> None:
+        """Node leader: remove every step directory not in ``keep``. Local."""
+        if not self.node_leader:
+            return
+        for step in self.steps():
+            if step not in keep:
+                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+    # --------------------------------------------------------------- restore
+    def inventory(self) -> dict[int, dict[str, Any]]:
+        return {s: {"committed": self.is_committed(s), "have": self.shard_path(s).is_file()}
+                for s in self.steps()}
+
+    def open_shard(self, step: int) -> Shard:
+        path = self.shard_path(step)
+        if not path.is_file():
+            raise CorruptCheckpointError(str(path), "shard is missing", rank=self.rank,
+                                         step=step, level=self.name)
+        return Shard.open(path, rank=self.rank, step=step, level=self.name)

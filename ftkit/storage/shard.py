@@ -1,0 +1,212 @@
+"""The ``.ftk`` shard format: one rank's state at one step, self-describing, no pickle.
+
+Layout (little endian)::
+
+    0   8   magic  b"FTKSHRD\\0"
+    8   4   format version (uint32)
+    12  4   header length H (uint32)
+    16  8   xxh3-64 of the header bytes (uint64)
+    24  H   header: UTF-8 JSON
+    ..      zero padding to a multiple of ALIGN
+    ..      tensor bytes, each starting at a multiple of ALIGN (offsets in the header)
+
+The header holds the format version, job, step, rank, world size, topology coordinates, the
+JSON skeleton of the state tree and one entry per tensor: path, kind, dtype, shape, offset,
+nbytes and ``xxh3-64`` checksum. Files are written to a temporary name, fsynced and renamed,
+so a shard either exists complete or not at all; reads are memory-mapped.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import xxhash
+
+from ftkit.capture.flatten import TensorLeaf
+from ftkit.errors import CorruptCheckpointError
+
+MAGIC = b"FTKSHRD\0"
+VERSION = 1
+ALIGN = 64
+_PREAMBLE = struct.Struct("<8sIIQ")
+
+
+def checksum(buf: Any) -> str:
+    """Checksum string of a buffer (``xxh3-64:<hex>``)."""
+    return "xxh3-64:" + xxhash.xxh3_64_hexdigest(memoryview(buf))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def build_header(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
+                 buffers: list[np.ndarray]) -> tuple[bytes, list[int]]:
+    """Header bytes and data offsets for ``leaves`` whose bytes are ``buffers`` (pure)."""
+    entries = [{"path": lf.path, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape),
+                "nbytes": lf.nbytes, "checksum": checksum(buf)}
+               for lf, buf in zip(leaves, buffers)]
+    # offsets depend on the header length, which depends on the offsets' digits: iterate
+    offsets = [0] * len(entries)
+    for _ in range(4):
+        for e, off in zip(entries, offsets):
+            e["offset"] = off
+        head = json.dumps({"format": VERSION, **meta, "tree": tree, "tensors": entries},
+                          separators=(",", ":")).encode()
+        pos = _align(_PREAMBLE.size + len(head))
+        new = []
+        for e in entries:
+            new.append(pos)
+            pos = _align(pos + e["nbytes"])
+        if new == offsets:
+            return head, offsets
+        offsets = new
+    raise AssertionError("shard header offsets did not converge")
+
+
+def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
+                buffers: list[np.ndarray]) -> int:
+    """Atomically write a shard to ``path`` (temp file, fsync, rename). Returns its size."""
+    head, offsets = build_header(meta, tree, leaves, buffers)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        pos = _write_all(fd, _PREAMBLE.pack(MAGIC, VERSION, len(head),
+                                            xxhash.xxh3_64_intdigest(head)) + head)
+        for off, buf in zip(offsets, buffers):
+            pos += _write_all(fd, bytes(off - pos))
+            pos += _write_all(fd, memoryview(buf).cast("B"))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return pos
+
+
+def _write_all(fd: int, data: Any) -> int:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Shard:
+    """A validated, memory-mapped shard. ``open`` checks the preamble and header only;
+    :meth:`verify` checks every tensor's checksum; :meth:`array` returns a zero-copy view."""
+
+    def __init__(self, path: Path, mm: mmap.mmap, header: dict[str, Any]) -> None:
+        self.path, self._mm, self.header = path, mm, header
+
+    @classmethod
+    def open(cls, path: Path, *, rank: int | None = None, step: int | None = None,
+             level: str = "local") -> "Shard":
+        """Map ``path`` and validate its preamble and header (raises CorruptCheckpointError)."""
+        def bad(reason: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(str(path), reason, rank=rank, step=step, level=level)
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size < _PREAMBLE.size:
+                    raise bad(f"file is {size} bytes, shorter than a shard preamble (truncated?)")
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise bad(f"cannot read: {exc}") from exc
+        magic, version, hlen, hsum = _PREAMBLE.unpack_from(mm, 0)
+        if magic != MAGIC:
+            raise bad(f"not an ftkit shard (magic {magic!r}, expected {MAGIC!r})")
+        if version != VERSION:
+            raise bad(f"shard format version {version}, this ftkit reads version {VERSION}")
+        if _PREAMBLE.size + hlen > size:
+            raise bad(f"header of {hlen} bytes runs past the end of the {size}-byte file "
+                      f"(truncated)")
+        raw = mm[_PREAMBLE.size:_PREAMBLE.size + hlen]
+        if xxhash.xxh3_64_intdigest(raw) != hsum:
+            raise bad("header checksum mismatch")
+        try:
+            header = json.loads(raw)
+            ends = [(t["path"], int(t["offset"]) + int(t["nbytes"])) for t in header["tensors"]]
+            header["tree"], header["rank"], header["step"], header["world"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise bad(f"malformed shard header: {exc!r}") from exc
+        for tpath, end in ends:
+            if end > size:
+                raise bad(f"tensor {tpath} ends at byte {end}, past the end of the {size}-byte "
+                          f"file (truncated)")
+        shard = cls(path, mm, header)
+        shard.check_identity(rank=rank, step=step, level=level)
+        return shard
+
+    def check_identity(self, *, rank: int | None, step: int | None, world: int | None = None,
+                       level: str = "local") -> None:
+        """Raise CorruptCheckpointError if the shard is not the expected rank/step/world."""
+        h = self.header
+        for key, want in (("rank", rank), ("step", step), ("world", world)):
+            if want is not None and h.get(key) != want:
+                what = {"world": "world size"}.get(key, key)
+                raise CorruptCheckpointError(
+                    str(self.path), f"shard has {what} {h.get(key)}, expected {want}",
+                    rank=rank, step=step, level=level)
+
+    @property
+    def tensors(self) -> list[dict[str, Any]]:
+        return self.header["tensors"]
+
+    def raw(self, index: int) -> np.ndarray:
+        """Zero-copy uint8 view of tensor ``index`` (read-only)."""
+        t = self.tensors[index]
+        return np.frombuffer(self._mm, dtype=np.uint8, count=t["nbytes"], offset=t["offset"])
+
+    def bad_tensors(self) -> list[str]:
+        """Paths of tensors whose checksum does not match (full read of the data)."""
+        return [t["path"] for i, t in enumerate(self.tensors)
+                if checksum(self.raw(i)) != t["checksum"]]
+
+    def verify(self, *, level: str = "local") -> None:
+        """Raise CorruptCheckpointError naming the first bad tensors, if any."""
+        bad = self.bad_tensors()
+        if bad:
+            raise CorruptCheckpointError(
+                str(self.path), f"checksum mismatch in {len(bad)} tensor(s): "
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}",
+                rank=self.header.get("rank"), step=self.header.get("step"), level=level)
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views still alive; the map is released when they are collected
+
+    def __enter__(self) -> "Shard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def leaves_of(header: dict[str, Any]) -> list[TensorLeaf]:
+    """TensorLeaf descriptions of a shard header's tensors."""
+    return [TensorLeaf(t["path"], t["kind"], t["dtype"], tuple(t["shape"]), t["nbytes"])
+            for t in header["tensors"]]
+
+
+def iter_shard_files(directory: Path) -> Iterable[Path]:
+    return sorted(p for p in directory.glob("*.ftk") if p.is_file())

@@ -1,0 +1,1 @@
+"""Test support: fault injection (FTKIT_FAULTS) and helpers for launching real jobs."""
