@@ -170,13 +170,13 @@ class Checkpointer:
         self.local.retain(keep)
         self.dc.barrier("restore-load", found.step)
 
-    def _emit(self, event: str, **fields: Any) -> None:
-        """Append an event line (rank 0 only); never fails the checkpoint."""
-        if self.topo.rank != 0:
+    def _emit(self, event: str, *, any_rank: bool = False, **fields: Any) -> None:
+        """Append an event line (rank 0 only, unless ``any_rank``); never fails the caller."""
+        if self.topo.rank != 0 and not any_rank:
             return
         try:
             append_event(self.config.events_path, event, job=self.config.job,
-                         attempt=self.config.attempt, **fields)
+                         attempt=self.config.attempt, rank=self.topo.rank, **fields)
         except OSError as exc:
             log.warning("cannot append to %s: %s", self.config.events_path, exc)
 
@@ -202,7 +202,7 @@ class Checkpointer:
     def _abort(self, why: str) -> None:
         """A peer is dead or hung: no consensus is possible without it. Abort the world."""
         log.critical("rank %d: %s; aborting the MPI job", self.topo.rank, why)
-        self._emit("timeout", reason=why)
+        self._emit("timeout", any_rank=True, reason=why)
         _flush_logs()
         MPI.COMM_WORLD.Abort(3)
 

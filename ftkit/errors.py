@@ -57,6 +57,16 @@ class CorruptCheckpointError(FtkitError):
         super().__init__(f"{path} ({', '.join(where)}): {reason}")
 
 
+class StorageError(FtkitError, OSError):
+    """Writing to a level failed (full disk, I/O error, permissions); names file/rank/step."""
+
+    def __init__(self, path: str, exc: OSError, *, rank: int, step: int, level: str) -> None:
+        self.path, self.rank, self.step, self.level = path, rank, step, level
+        FtkitError.__init__(self, f"cannot write {path} (level {level}, rank {rank}, step "
+                                  f"{step}): {exc.strerror or exc}")
+        self.errno = exc.errno
+
+
 class UnrecoverableError(FtkitError):
     """No copy of a required shard survives on any level."""
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
-from ftkit.errors import CorruptCheckpointError
+from ftkit.errors import CorruptCheckpointError, StorageError
 from ftkit.storage.level import Level
 from ftkit.storage.shard import Shard, fsync_dir, write_shard
 from ftkit.testing.faults import Faults
@@ -96,9 +96,13 @@ class LocalLevel(Level):
     # -------------------------------------------------------------- protocol
     def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
                         leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> None:
-        make_private_dir(self.step_dir(step))
         path = self.shard_path(step)
-        write_shard(path, meta, tree, leaves, buffers)
+        try:
+            make_private_dir(self.step_dir(step))
+            write_shard(path, meta, tree, leaves, buffers)
+        except OSError as exc:
+            raise StorageError(str(path), exc, rank=self.rank, step=step, level=self.name) \
+                from exc
         self.faults.after_write(path, level=self.name, step=step)
 
     def record_commit(self, step: int, record: dict[str, Any]) -> None:

@@ -1,0 +1,128 @@
+"""``ftkit`` command line (DESIGN §7). Only this module configures logging.
+
+Subcommands: ``run``. Importing this module imports neither mpi4py nor torch.
+Exit status 2 means a usage, configuration or launch-setup error.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from ftkit.config import LOG_LEVELS, Config
+from ftkit.errors import ConfigError, LaunchError
+
+log = logging.getLogger(__name__)
+
+USAGE_STATUS = 2
+_LOG_FORMAT = "ftkit: %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """Send the ``ftkit`` logger to stderr at ``level`` (idempotent; root logger untouched)."""
+    logger = logging.getLogger("ftkit")
+    if not any(getattr(h, "_ftkit_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._ftkit_cli = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level if level in LOG_LEVELS else "WARNING")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit run -n N [...] -- CMD [ARGS...]``."""
+    from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, LAUNCHERS
+    run = sub.add_parser(
+        "run", help="launch CMD on N ranks and relaunch it on failure",
+        description="Launch CMD on N ranks (mpiexec locally); on failure relaunch it with "
+                    "FTKIT_ATTEMPT incremented, up to --max-restarts times. An attempt succeeds "
+                    "only if the launcher exits 0 and the job wrote $FTKIT_DONE_FILE. Prints "
+                    "one line per attempt; exits with the last attempt's status (124: timeout).")
+    run.add_argument("-n", "--np", dest="n", type=_positive_int, required=True, metavar="N",
+                     help="number of ranks")
+    run.add_argument("--ranks-per-node", type=_positive_int, metavar="K",
+                     help="virtual nodes of K consecutive ranks (sets FTKIT_RANKS_PER_NODE)")
+    run.add_argument("--spares", type=_non_negative_int, default=0, metavar="S",
+                     help="spare nodes to bring in on failure (Slurm only; recorded)")
+    run.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
+                     help="relaunch at most R times (default 0)")
+    run.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+                     help="auto: srun inside a Slurm allocation, mpiexec elsewhere")
+    run.add_argument("--attempt-timeout", type=_positive_float, default=DEFAULT_ATTEMPT_TIMEOUT,
+                     metavar="SECONDS", help="kill an attempt after this long (default 86400)")
+    run.add_argument("--mpiexec", metavar="PATH",
+                     help="mpiexec to use (default: next to this Python, then on PATH)")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                     help="the command every rank runs")
+    run.set_defaults(func=_cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ftkit`` argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="ftkit", description="Fault tolerance for MPI "
+                                     "training jobs: checkpoints, recovery, relaunch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_parser(sub)
+    return parser
+
+
+def _error(command: str, exc: Exception) -> int:
+    print(f"ftkit {command}: error: {exc}", file=sys.stderr, flush=True)
+    return USAGE_STATUS
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """Body of ``ftkit run``."""
+    from ftkit.launch.relaunch import RunSpec, resolve_launcher, run_job
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    try:
+        cfg = Config.load()
+        configure_logging(cfg.log_level)
+        spec = RunSpec(n=args.n, cmd=tuple(cmd), ranks_per_node=args.ranks_per_node,
+                       spares=args.spares, max_restarts=args.max_restarts,
+                       attempt_timeout=args.attempt_timeout)
+        launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec)
+        return run_job(spec, cfg, launcher)
+    except (ConfigError, LaunchError) as exc:
+        return _error("run", exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ftkit`` console script; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:          # --help, usage errors
+        return exc.code if isinstance(exc.code, int) else USAGE_STATUS
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

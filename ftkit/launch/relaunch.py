@@ -1,0 +1,332 @@
+"""The ``ftkit run`` relaunch loop: launch, watch, judge, relaunch.
+
+An attempt succeeds only when the launcher exits 0 **and** the job wrote its completion marker
+(``$FTKIT_DONE_FILE``, written by rank 0 once every rank has returned from
+``Checkpointer.close()``): under ULFM a SIGKILLed rank can leave ``mpiexec`` exiting 0. Every
+attempt runs in its own session (process group) under a timeout; on timeout the group gets
+SIGTERM, then SIGKILL after a grace period. SIGINT/SIGTERM sent to ``ftkit run`` are forwarded
+to the running attempt's group and stop the loop.
+
+Each attempt prints exactly one line to stdout and appends events (``launch``, ``attempt-end``,
+``relaunch``, ``done`` / ``gave-up``) to the job's ``events.jsonl``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+from ftkit.config import Config
+from ftkit.errors import LaunchError
+from ftkit.events import append_event
+from ftkit.launch.mpiexec import MpiexecLauncher
+
+log = logging.getLogger(__name__)
+
+LAUNCHERS = ("auto", "mpiexec", "srun")
+DEFAULT_ATTEMPT_TIMEOUT = 86400.0
+DEFAULT_KILL_GRACE = 5.0
+TIMEOUT_STATUS = 124
+NO_MARKER_REASON = "exited 0 but the job did not reach Checkpointer.close() on every rank"
+_POLL_S = 0.25        # how often a waiting loop re-checks deadlines (not a synchronisation)
+
+
+class Launcher(Protocol):
+    """What the loop needs from a launcher (``mpiexec`` now, ``srun`` later)."""
+
+    @property
+    def name(self) -> str:
+        """Short name recorded in events (``mpiexec``, ``srun``)."""
+        ...
+
+    def command(self, n: int, cmd: Sequence[str]) -> list[str]:
+        """Launcher argv for ``n`` ranks of ``cmd``."""
+        ...
+
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
+        """Launcher environment derived from ``base``."""
+        ...
+
+
+def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
+                     mpiexec: str | None = None) -> Launcher:
+    """Pick the launcher: ``auto`` is srun inside a Slurm allocation, mpiexec elsewhere."""
+    env = os.environ if env is None else env
+    if choice not in LAUNCHERS:
+        raise LaunchError(f"unknown launcher {choice!r}; valid: {', '.join(LAUNCHERS)}")
+    if choice == "srun" or (choice == "auto" and "SLURM_JOB_ID" in env and not mpiexec):
+        raise LaunchError("srun launcher arrives with the Slurm issue; "
+                          "use --launcher mpiexec inside an allocation for now")
+    return MpiexecLauncher.detect(mpiexec)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """What ``ftkit run`` was asked to do."""
+
+    n: int
+    cmd: tuple[str, ...]
+    ranks_per_node: int | None = None
+    spares: int = 0
+    max_restarts: int = 0
+    attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT
+    kill_grace: float = DEFAULT_KILL_GRACE
+
+    def __post_init__(self) -> None:
+        checks = ((self.n >= 1, f"-n must be >= 1, got {self.n}"),
+                  (bool(self.cmd), "no command given after --"),
+                  (self.ranks_per_node is None or self.ranks_per_node >= 1,
+                   f"--ranks-per-node must be >= 1, got {self.ranks_per_node}"),
+                  (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
+                  (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
+                  (self.attempt_timeout > 0,
+                   f"--attempt-timeout must be > 0 seconds, got {self.attempt_timeout}"),
+                  (self.kill_grace >= 0, f"kill grace must be >= 0, got {self.kill_grace}"))
+        for ok, message in checks:
+            if not ok:
+                raise LaunchError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptResult:
+    """Outcome of one attempt.
+
+    ``rc`` is the launcher's exit code (128+N when killed by signal N, ``None`` on timeout);
+    ``status`` is what ``ftkit run`` exits with if this is the last attempt.
+    """
+
+    attempt: int
+    rc: int | None
+    ok: bool
+    seconds: float
+    reason: str
+    status: int
+    interrupted: int | None = None       # signal number received by ftkit run, if any
+
+
+def done_file_path(cfg: Config, attempt: int) -> Path:
+    """Absolute path of attempt ``attempt``'s completion marker."""
+    return Path(os.path.abspath(cfg.job_pfs_dir / f".done-attempt-{attempt}"))
+
+
+def attempt_env(base: Mapping[str, str], attempt: int, done_file: Path,
+                ranks_per_node: int | None = None) -> dict[str, str]:
+    """Environment of one attempt: ``base`` plus ``FTKIT_ATTEMPT``/``FTKIT_DONE_FILE``/..."""
+    env = dict(base)
+    env["FTKIT_ATTEMPT"] = str(attempt)
+    env["FTKIT_DONE_FILE"] = str(done_file)
+    if ranks_per_node is not None:
+        env["FTKIT_RANKS_PER_NODE"] = str(ranks_per_node)
+    return env
+
+
+def signame(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal 42`` for numbers without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
+          interrupted: int | None = None) -> AttemptResult:
+    """Turn what was observed into an :class:`AttemptResult` (pure).
+
+    ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
+    when the attempt timed out.
+    """
+    rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
+    if returncode is None:
+        reason, status, ok = f"timeout after {timeout:g} s", TIMEOUT_STATUS, False
+    elif returncode < 0:
+        reason, status, ok = f"launcher killed by {signame(-returncode)}", 128 - returncode, False
+    elif rc == 0 and marker:
+        reason, status, ok = "succeeded", 0, True
+    elif rc == 0:
+        reason, status, ok = NO_MARKER_REASON, 1, False
+    else:
+        reason, status, ok = f"exit {returncode}", returncode, False
+    if interrupted is not None and not ok:
+        reason, status = f"interrupted by {signame(interrupted)}", 128 + interrupted
+    return AttemptResult(attempt, rc, ok, round(seconds, 3), reason, status, interrupted)
+
+
+def attempt_line(result: AttemptResult, max_restarts: int) -> str:
+    """The one stdout line printed for an attempt (pure)."""
+    head = f"ftkit run: attempt {result.attempt}: "
+    took = f"after {result.seconds:.1f} s"
+    if result.ok:
+        return head + f"succeeded {took}"
+    if result.interrupted is not None:
+        return head + f"{result.reason} {took}; not relaunching"
+    what = f"failed ({result.reason})" + ("" if result.rc is None else f" {took}")
+    if result.attempt < max_restarts:
+        restart = result.attempt + 1
+        return head + f"{what}; relaunching (restart {restart} of {max_restarts})"
+    return head + f"{what}; no restarts left"
+
+
+class _Interrupt:
+    """SIGINT/SIGTERM received by ``ftkit run``; forwarded to the current attempt's group.
+
+    The first signal is forwarded as is; a second one sends SIGKILL.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.at = 0.0
+        self.pgid: int | None = None
+
+    def handle(self, signum: int, _frame: Any) -> None:
+        """Signal handler (runs in the main thread)."""
+        first = self.signum is None
+        if first:
+            self.signum, self.at = signum, time.monotonic()
+        if self.pgid is not None:
+            signal_group(self.pgid, signum if first else signal.SIGKILL)
+
+    def attach(self, pgid: int | None) -> None:
+        """Follow a new attempt (``None``: none running); forward a signal that came early."""
+        self.pgid = pgid
+        if pgid is not None and self.signum is not None:
+            signal_group(pgid, self.signum)
+
+
+@contextlib.contextmanager
+def _forwarding(interrupt: _Interrupt) -> Iterator[None]:
+    """Install SIGINT/SIGTERM handlers (main thread only) and restore them afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, interrupt.handle) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    """Send ``signum`` to process group ``pgid``; a group that is already gone is fine."""
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM the attempt's group, SIGKILL it after ``grace`` seconds; return the rc."""
+    signal_group(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        signal_group(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def _wait(proc: subprocess.Popen[bytes], deadline: float, grace: float,
+          interrupt: _Interrupt) -> int | None:
+    """Wait for the launcher; ``None`` on timeout (the group is then terminated)."""
+    while True:
+        limit = deadline
+        if interrupt.signum is not None:
+            limit = min(limit, interrupt.at + grace)
+        try:
+            return proc.wait(timeout=max(0.0, min(limit - time.monotonic(), _POLL_S)))
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if interrupt.signum is not None and now >= interrupt.at + grace:
+                signal_group(proc.pid, signal.SIGKILL)
+                return proc.wait()
+            if now >= deadline:
+                _terminate(proc, grace)
+                return None
+
+
+def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path,
+                base_env: Mapping[str, str], interrupt: _Interrupt | None = None
+                ) -> AttemptResult:
+    """Launch one attempt, wait for it under the timeout, and judge it."""
+    interrupt = interrupt or _Interrupt()
+    argv = launcher.command(spec.n, spec.cmd)
+    env = attempt_env(launcher.environ(base_env), attempt, done_file, spec.ranks_per_node)
+    done_file.parent.mkdir(parents=True, exist_ok=True)
+    done_file.unlink(missing_ok=True)
+    log.info("attempt %d: %s", attempt, " ".join(argv))
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
+    try:
+        interrupt.attach(proc.pid)
+        rc = _wait(proc, start + spec.attempt_timeout, spec.kill_grace, interrupt)
+    finally:
+        interrupt.attach(None)
+        signal_group(proc.pid, signal.SIGKILL)     # ranks the launcher left behind
+    seconds = time.monotonic() - start
+    return judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
+                 interrupt.signum)
+
+
+def _event(cfg: Config, event: str, **fields: Any) -> None:
+    """Append to the job's event log; a log that cannot be written is only a warning."""
+    try:
+        append_event(cfg.events_path, event, **fields)
+    except OSError as exc:
+        log.warning("cannot append %r to %s: %s", event, cfg.events_path, exc)
+
+
+def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
+            base_env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
+    """Run attempts 0..``spec.max_restarts`` until one succeeds; return the exit status."""
+    base_env = dict(os.environ if base_env is None else base_env)
+    out = sys.stdout if out is None else out
+    if spec.spares:
+        log.warning("--spares %d is recorded but has no effect outside Slurm yet", spec.spares)
+    interrupt = _Interrupt()
+    result: AttemptResult | None = None
+    with _forwarding(interrupt):
+        for attempt in range(spec.max_restarts + 1):
+            if interrupt.signum is not None:
+                break
+            if attempt:
+                _event(cfg, "relaunch", attempt=attempt)
+            _event(cfg, "launch", n=spec.n, cmd=list(spec.cmd), attempt=attempt,
+                   launcher=launcher.name, argv=launcher.command(spec.n, spec.cmd),
+                   spares=spec.spares, ranks_per_node=spec.ranks_per_node)
+            result = run_attempt(launcher, spec, attempt, done_file_path(cfg, attempt),
+                                 base_env, interrupt)
+            _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
+                   seconds=result.seconds, reason=result.reason, status=result.status)
+            print(attempt_line(result, spec.max_restarts), file=out, flush=True)
+            if result.ok or result.interrupted is not None:
+                break
+    return _finish(cfg, result, interrupt)
+
+
+def _finish(cfg: Config, result: AttemptResult | None, interrupt: _Interrupt) -> int:
+    """Record ``done``/``gave-up`` and return the exit status of ``ftkit run``."""
+    if result is not None and result.ok:
+        _event(cfg, "done", attempt=result.attempt, attempts=result.attempt + 1)
+        return 0
+    if interrupt.signum is not None and (result is None or result.interrupted is None):
+        # the signal came between attempts (or before the first): it decides the status
+        signum = interrupt.signum
+        reason, status = f"interrupted by {signame(signum)}", 128 + signum
+        attempts = 0 if result is None else result.attempt + 1
+    else:
+        assert result is not None
+        reason, status, attempts = result.reason, result.status, result.attempt + 1
+    _event(cfg, "gave-up", attempts=attempts, status=status, reason=reason)
+    return status

@@ -1,0 +1,24 @@
+"""Fixtures for end-to-end tests: failure-free reference digests, computed once per session."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.e2e.jobs import run_toy
+
+_cache: dict[tuple[int, int], str] = {}
+
+
+@pytest.fixture(scope="session")
+def reference_digest(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], str]:
+    """``reference_digest(n, steps)``: digest of a failure-free toy run (cached)."""
+    def get(n: int = 4, steps: int = 8) -> str:
+        if (n, steps) not in _cache:
+            tmp: Path = tmp_path_factory.mktemp(f"ref-{n}-{steps}")
+            res = run_toy(tmp, n=n, steps=steps, max_restarts=0)
+            assert res.rc == 0, res.tail()
+            _cache[(n, steps)] = res.done["digest"]
+        return _cache[(n, steps)]
+    return get

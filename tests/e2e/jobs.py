@@ -1,0 +1,81 @@
+"""Launch real jobs with ``ftkit run`` for end-to-end tests."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ftkit.events import read_events
+
+REPO = Path(__file__).resolve().parents[2]
+TOY = REPO / "examples" / "toy_dp.py"
+FTKIT = [sys.executable, "-m", "ftkit.cli.main"]
+
+
+@dataclasses.dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+    pfs: Path
+    local: Path
+
+    def json_lines(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.stdout.splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+    @property
+    def done(self) -> dict[str, Any]:
+        dones = [r for r in self.json_lines() if r.get("event") == "done"]
+        assert dones, f"no done line (rc {self.rc})\n{self.tail()}"
+        return dones[-1]
+
+    @property
+    def starts(self) -> list[dict[str, Any]]:
+        return [r for r in self.json_lines() if r.get("event") == "start"]
+
+    def attempt_lines(self) -> list[str]:
+        return [ln for ln in self.stdout.splitlines() if ln.startswith("ftkit run: attempt")]
+
+    def events(self, job: str = "e2e") -> list[dict[str, Any]]:
+        return list(read_events(self.pfs / job / "events.jsonl"))
+
+    def tail(self, n: int = 4000) -> str:
+        return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
+
+
+def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
+    """Environment for a job whose directories live under ``tmp``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTKIT_")}
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "FTKIT_JOB": "e2e", "FTKIT_LOCAL_DIR": str(tmp / "local"),
+                "FTKIT_PFS_DIR": str(tmp / "pfs"), "FTKIT_LEVELS": "local:1",
+                "FTKIT_TIMEOUT": "30"})
+    env.update(ftkit_env)
+    return env
+
+
+def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_node: int = 2,
+            max_restarts: int = 2, attempt_timeout: int = 240, timeout: int = 600,
+            **ftkit_env: str) -> Result:
+    """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``)."""
+    cmd = [*FTKIT, "run", "-n", str(n), "--ranks-per-node", str(ranks_per_node),
+           "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
+           "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", str(seed)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp, env=job_env(tmp, **ftkit_env), capture_output=True,
+                          text=True, timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0,
+                  tmp / "pfs", tmp / "local" / "e2e")

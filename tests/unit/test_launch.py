@@ -1,0 +1,537 @@
+"""Tests of ``ftkit run``: command building (pure), the relaunch loop (fake launcher), a smoke run.
+
+The loop tests use ``tests/unit/fakes/fake_mpiexec.py``, which acts out a plan per attempt
+(``FAKE_MPIEXEC_PLAN``) and logs what it saw; only the last tests start a real ``mpiexec``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftkit.cli.main import main
+from ftkit.config import Config
+from ftkit.errors import LaunchError
+from ftkit.events import read_events
+from ftkit.launch.mpiexec import (
+    MPICH,
+    OPENMPI,
+    UNKNOWN,
+    MpiexecLauncher,
+    build_command,
+    detect_flavor,
+    find_mpiexec,
+    launch_env,
+    query_flavor,
+    rewrite_python,
+)
+from ftkit.launch.relaunch import (
+    NO_MARKER_REASON,
+    RunSpec,
+    attempt_line,
+    done_file_path,
+    judge,
+    resolve_launcher,
+    run_job,
+)
+
+FAKE = Path(__file__).parent / "fakes" / "fake_mpiexec.py"
+REPO = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^ftkit run: attempt \d+: ")
+OPENMPI_VERSION = "mpiexec (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/\n"
+HYDRA_VERSION = "HYDRA build details:\n    Version:                                 4.0.2\n"
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture
+def job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A clean ftkit environment with PFS and local dirs under tmp_path; returns the job dir."""
+    for key in list(os.environ):
+        if key.startswith(("FTKIT_", "FAKE_MPIEXEC_")) or key == "SLURM_JOB_ID":
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FTKIT_PFS_DIR", str(tmp_path / "pfs"))
+    monkeypatch.setenv("FTKIT_LOCAL_DIR", str(tmp_path / "local"))
+    monkeypatch.setenv("FTKIT_JOB", "t")
+    return tmp_path / "pfs" / "t"
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """Path of an executable fake mpiexec (a wrapper running the fake under this Python)."""
+    wrapper = tmp_path / "bin" / "mpiexec"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("FAKE_MPIEXEC_LOG", str(tmp_path / "fake.log"))
+    return str(wrapper)
+
+
+def fake_log(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "fake.log"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def invocations(tmp_path: Path) -> list[dict]:
+    return [r for r in fake_log(tmp_path) if "argv" in r]
+
+
+def attempt_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if LINE.match(line)]
+
+
+def run_fake(fake: str, plan: str, *opts: str, cmd: tuple[str, ...] = ("python", "train.py"),
+             monkeypatch: pytest.MonkeyPatch) -> int:
+    monkeypatch.setenv("FAKE_MPIEXEC_PLAN", plan)
+    return main(["run", "-n", "4", "--mpiexec", fake, *opts, "--", *cmd])
+
+
+# ------------------------------------------------------------------- flavour detection
+@pytest.mark.parametrize("text, flavor", [
+    (OPENMPI_VERSION, OPENMPI),
+    ("prterun (Open MPI) 5.0.3\n", OPENMPI),
+    ("mpirun (OpenRTE) 4.1.4\n", OPENMPI),
+    ("prterun (PRRTE) 3.0.0\n", OPENMPI),
+    (HYDRA_VERSION, MPICH),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10\n", MPICH),
+    ("", UNKNOWN),
+    ("srun: slurm 22.05.8\n", UNKNOWN),
+])
+def test_detect_flavor(text: str, flavor: str) -> None:
+    assert detect_flavor(text) == flavor
+
+
+def test_query_flavor_runs_version(fake: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert query_flavor(fake) == MPICH
+    monkeypatch.setenv("FAKE_MPIEXEC_VERSION", OPENMPI_VERSION)
+    assert query_flavor(fake) == OPENMPI
+
+
+def test_query_flavor_missing_executable(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="--version"):
+        query_flavor(str(tmp_path / "nope"))
+
+
+# ------------------------------------------------------------------ python rewriting
+@pytest.mark.parametrize("cmd, expected", [
+    (["python", "train.py", "--lr", "1"], ["python", "-m", "mpi4py", "train.py", "--lr", "1"]),
+    (["/venv/bin/python3.11", "-u", "t.py"], ["/venv/bin/python3.11", "-u", "-m", "mpi4py", "t.py"]),
+    (["python3", "-m", "pkg.train", "-x"], ["python3", "-m", "mpi4py", "-m", "pkg.train", "-x"]),
+    (["python", "-c", "print(1)"], ["python", "-m", "mpi4py", "-c", "print(1)"]),
+    (["python", "-W", "error", "-X", "dev", "-O", "t.py"],
+     ["python", "-W", "error", "-X", "dev", "-O", "-m", "mpi4py", "t.py"]),
+    (["python", "-Werror", "-Xdev", "t.py"], ["python", "-Werror", "-Xdev", "-m", "mpi4py", "t.py"]),
+    (["python", "-uc", "print(1)"], ["python", "-u", "-m", "mpi4py", "-c", "print(1)"]),
+    (["python", "-mpkg"], ["python", "-m", "mpi4py", "-mpkg"]),
+    (["python", "--check-hash-based-pycs", "never", "t.py"],
+     ["python", "--check-hash-based-pycs", "never", "-m", "mpi4py", "t.py"]),
+    (["python", "-", "a"], ["python", "-m", "mpi4py", "-", "a"]),
+    (["python", "t.py", "-m", "mpi4py"], ["python", "-m", "mpi4py", "t.py", "-m", "mpi4py"]),
+])
+def test_rewrite_python_inserts_mpi4py(cmd: list[str], expected: list[str]) -> None:
+    assert rewrite_python(cmd) == expected
+
+
+@pytest.mark.parametrize("cmd", [
+    ["python", "-m", "mpi4py", "train.py"],
+    ["python", "-u", "-m", "mpi4py", "train.py"],
+    ["python", "-mmpi4py", "train.py"],
+    ["python", "-m", "mpi4py.run", "train.py"],
+    ["python"],                         # interactive: nothing to run under mpi4py
+    ["python", "-u"],
+    ["./train.sh", "python"],
+    ["python-config", "--libs"],
+    ["pythonista", "x"],
+    [],
+])
+def test_rewrite_python_leaves_alone(cmd: list[str]) -> None:
+    assert rewrite_python(cmd) == cmd
+
+
+def test_rewrite_python_does_not_mutate() -> None:
+    cmd = ["python", "t.py"]
+    rewrite_python(cmd)
+    assert cmd == ["python", "t.py"]
+
+
+# ------------------------------------------------------------------ command and env
+def test_build_command_openmpi_oversubscribes() -> None:
+    got = build_command(4, ["python", "t.py"], OPENMPI, "/v/bin/mpiexec")
+    assert got == ["/v/bin/mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "4",
+                   "python", "-m", "mpi4py", "t.py"]
+
+
+@pytest.mark.parametrize("flavor", [MPICH, UNKNOWN])
+def test_build_command_mpich_adds_nothing(flavor: str) -> None:
+    assert build_command(2, ["./a.out", "-x"], flavor) == ["mpiexec", "-n", "2", "./a.out", "-x"]
+
+
+def test_build_command_extra_args_before_n() -> None:
+    got = build_command(2, ["./a"], OPENMPI, extra=("--with-ft", "ulfm"))
+    assert got[4:] == ["--with-ft", "ulfm", "-n", "2", "./a"]
+
+
+@pytest.mark.parametrize("n, cmd, flavor", [(0, ["a"], MPICH), (2, [], MPICH), (2, ["a"], "lam")])
+def test_build_command_rejects(n: int, cmd: list[str], flavor: str) -> None:
+    with pytest.raises(LaunchError):
+        build_command(n, cmd, flavor)
+
+
+def test_launch_env_root_openmpi() -> None:
+    base = {"PATH": "/bin"}
+    env = launch_env(base, OPENMPI, as_root=True)
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["PATH"] == "/bin" and base == {"PATH": "/bin"}
+    assert "PMIX_MCA_gds" not in env
+
+
+@pytest.mark.parametrize("flavor, root", [(OPENMPI, False), (MPICH, True), (MPICH, False)])
+def test_launch_env_no_root_vars(flavor: str, root: bool) -> None:
+    assert launch_env({"A": "1"}, flavor, as_root=root) == {"A": "1"}
+
+
+def test_launch_env_keeps_user_values_and_gds() -> None:
+    env = launch_env({"OMPI_ALLOW_RUN_AS_ROOT": "0"}, OPENMPI, as_root=True, pmix_gds_hash=True)
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "0"
+    assert env["PMIX_MCA_gds"] == "hash"
+
+
+def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_find_mpiexec_prefers_interpreter_dir(tmp_path: Path) -> None:
+    beside = _exe(tmp_path / "venv" / "bin" / "mpiexec")
+    _exe(tmp_path / "usr" / "mpiexec")
+    got = find_mpiexec(str(tmp_path / "venv" / "bin" / "python"), path=str(tmp_path / "usr"))
+    assert got == str(beside)
+
+
+def test_find_mpiexec_falls_back_to_path(tmp_path: Path) -> None:
+    on_path = _exe(tmp_path / "usr" / "mpiexec")
+    got = find_mpiexec(str(tmp_path / "venv" / "bin" / "python"), path=str(tmp_path / "usr"))
+    assert got == str(on_path)
+
+
+def test_find_mpiexec_none(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="no mpiexec found"):
+        find_mpiexec(str(tmp_path / "python"), path=str(tmp_path))
+
+
+def test_resolve_launcher(fake: str) -> None:
+    launcher = resolve_launcher("auto", {}, mpiexec=fake)
+    assert isinstance(launcher, MpiexecLauncher)
+    assert (launcher.path, launcher.flavor, launcher.name) == (fake, MPICH, "mpiexec")
+    for choice, env in (("srun", {}), ("auto", {"SLURM_JOB_ID": "7"}), ("lam", {})):
+        with pytest.raises(LaunchError):
+            resolve_launcher(choice, env)
+    with pytest.raises(LaunchError, match="no such executable"):
+        resolve_launcher("mpiexec", {}, mpiexec="/nonexistent/mpiexec")
+
+
+# ------------------------------------------------------------ judging and attempt lines
+def test_attempt_lines_match_the_contract() -> None:
+    failed = judge(0, 137, False, 12.34, 600)
+    assert attempt_line(failed, 3) == ("ftkit run: attempt 0: failed (exit 137) after 12.3 s; "
+                                       "relaunching (restart 1 of 3)")
+    ok = judge(1, 0, True, 20.06, 600)
+    assert attempt_line(ok, 3) == "ftkit run: attempt 1: succeeded after 20.1 s"
+    timeout = judge(3, None, False, 600.2, 600)
+    assert attempt_line(timeout, 3) == ("ftkit run: attempt 3: failed (timeout after 600 s); "
+                                        "no restarts left")
+    assert (ok.status, failed.status, timeout.status) == (0, 137, 124)
+
+
+def test_judge_distrusts_exit_zero_and_maps_signals() -> None:
+    no_marker = judge(0, 0, False, 1.0, 60)
+    assert (no_marker.ok, no_marker.status, no_marker.reason) == (False, 1, NO_MARKER_REASON)
+    with_marker_but_rc = judge(0, 3, True, 1.0, 60)
+    assert (with_marker_but_rc.ok, with_marker_but_rc.status) == (False, 3)
+    killed = judge(0, -9, False, 1.0, 60)
+    assert (killed.rc, killed.status, killed.reason) == (137, 137, "launcher killed by SIGKILL")
+    stopped = judge(0, 143, False, 1.0, 60, interrupted=signal.SIGTERM)
+    assert stopped.status == 143 and "interrupted by SIGTERM" in attempt_line(stopped, 5)
+    assert attempt_line(stopped, 5).endswith("; not relaunching")
+
+
+def test_done_file_is_absolute_per_attempt(job: Path) -> None:
+    cfg = Config.load()
+    assert done_file_path(cfg, 2) == job / ".done-attempt-2"
+    assert done_file_path(Config.load(pfs_dir="rel"), 0).is_absolute()
+
+
+def test_run_spec_validates() -> None:
+    with pytest.raises(LaunchError, match="--max-restarts"):
+        RunSpec(n=2, cmd=("x",), max_restarts=-1)
+    with pytest.raises(LaunchError, match="no command"):
+        RunSpec(n=2, cmd=())
+
+
+# --------------------------------------------------------------- the loop (fake launcher)
+@pytest.mark.timeout(60)
+def test_fail_then_succeed(job: Path, fake: str, tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    rc = run_fake(fake, "exit:3,ok", "--max-restarts", "3", "--ranks-per-node", "2",
+                  "--spares", "1", monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 0
+    assert len(lines) == 2
+    assert lines[0].startswith("ftkit run: attempt 0: failed (exit 3) after ")
+    assert lines[0].endswith("; relaunching (restart 1 of 3)")
+    assert re.fullmatch(r"ftkit run: attempt 1: succeeded after \d+\.\d s", lines[1])
+    seen = invocations(tmp_path)
+    assert [r["env"]["FTKIT_ATTEMPT"] for r in seen] == ["0", "1"]
+    assert [r["env"]["FTKIT_DONE_FILE"] for r in seen] == [
+        str(job / ".done-attempt-0"), str(job / ".done-attempt-1")]
+    assert all(r["env"]["FTKIT_RANKS_PER_NODE"] == "2" for r in seen)
+    assert seen[0]["argv"] == ["-n", "4", "python", "-m", "mpi4py", "train.py"]
+    events = list(read_events(job / "events.jsonl"))
+    assert [e["event"] for e in events] == ["launch", "attempt-end", "relaunch", "launch",
+                                            "attempt-end", "done"]
+    launch = events[0]
+    assert (launch["n"], launch["cmd"], launch["attempt"], launch["launcher"], launch["spares"]) \
+        == (4, ["python", "train.py"], 0, "mpiexec", 1)
+    assert {k: events[1][k] for k in ("attempt", "rc", "ok", "reason")} == \
+        {"attempt": 0, "rc": 3, "ok": False, "reason": "exit 3"}
+    assert events[4]["ok"] is True and events[2]["attempt"] == 1
+    assert isinstance(events[4]["seconds"], float)
+
+
+@pytest.mark.timeout(60)
+def test_exit_zero_without_marker_is_a_failure(job: Path, fake: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture) -> None:
+    job.mkdir(parents=True)
+    (job / ".done-attempt-0").write_text("{}")          # stale marker of an earlier run
+    rc = run_fake(fake, "nomarker", "--max-restarts", "1", monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 1
+    assert len(lines) == 2
+    assert f"failed ({NO_MARKER_REASON}) after" in lines[0]
+    assert lines[1].endswith("; no restarts left")
+    events = list(read_events(job / "events.jsonl"))
+    ends = [e for e in events if e["event"] == "attempt-end"]
+    assert [(e["rc"], e["ok"]) for e in ends] == [(0, False), (0, False)]
+    assert events[-1]["event"] == "gave-up" and events[-1]["status"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_restarts_exhausted_returns_last_rc(job: Path, fake: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture) -> None:
+    rc = run_fake(fake, "exit:3,marker-exit:9,exit:7", "--max-restarts", "2",
+                  monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 7
+    assert [line.split(": ")[2].split(" after")[0] for line in lines] == [
+        "failed (exit 3)", "failed (exit 9)", "failed (exit 7)"]
+    assert lines[1].endswith("relaunching (restart 2 of 2)")
+    assert lines[2].endswith("no restarts left")
+    assert len(invocations(tmp_path)) == 3
+
+
+@pytest.mark.timeout(60)
+def test_launcher_killed_by_signal(job: Path, fake: str, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture) -> None:
+    rc = run_fake(fake, "selfkill", monkeypatch=monkeypatch)
+    assert rc == 137
+    assert "failed (launcher killed by SIGKILL)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_and_relaunches(job: Path, fake: str, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture) -> None:
+    start = time.monotonic()
+    rc = run_fake(fake, "hang,ok", "--attempt-timeout", "1", "--max-restarts", "1",
+                  monkeypatch=monkeypatch)
+    elapsed = time.monotonic() - start
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 0
+    assert lines[0] == ("ftkit run: attempt 0: failed (timeout after 1 s); "
+                        "relaunching (restart 1 of 1)")
+    assert lines[1].startswith("ftkit run: attempt 1: succeeded")
+    assert {"signal": signal.SIGTERM} in fake_log(tmp_path)
+    assert elapsed < 1 + 5                               # SIGTERM was enough, no grace wait
+    end = next(e for e in read_events(job / "events.jsonl") if e["event"] == "attempt-end")
+    assert (end["rc"], end["status"], end["reason"]) == (None, 124, "timeout after 1 s")
+
+
+@pytest.mark.timeout(60)
+def test_timeout_exhausted_exits_124(job: Path, fake: str, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture) -> None:
+    rc = run_fake(fake, "hang", "--attempt-timeout", "0.5", monkeypatch=monkeypatch)
+    assert rc == 124
+    assert attempt_lines(capsys.readouterr().out) == [
+        "ftkit run: attempt 0: failed (timeout after 0.5 s); no restarts left"]
+
+
+@pytest.mark.timeout(60)
+def test_timeout_escalates_to_sigkill(job: Path, fake: str, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPIEXEC_PLAN", "hang-stubborn")
+    spec = RunSpec(n=2, cmd=("./a.out",), attempt_timeout=1.0, kill_grace=0.5)
+    out = io.StringIO()
+    start = time.monotonic()
+    rc = run_job(spec, Config.load(), MpiexecLauncher(fake, MPICH), out=out)
+    assert rc == 124
+    assert time.monotonic() - start < 1.0 + 0.5 + 3      # generous slack for a slow CI
+    assert "failed (timeout after 1 s)" in out.getvalue()
+    assert not any("signal" in r for r in fake_log(tmp_path))   # it ignored SIGTERM
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_processes_left_behind_are_killed(job: Path, fake: str, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    rc = run_fake(fake, "straggler", monkeypatch=monkeypatch)
+    assert rc == 1
+    pid = next(r["straggler"] for r in fake_log(tmp_path) if "straggler" in r)
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:   # SIGKILL delivery is asynchronous
+        time.sleep(0.01)
+    assert _gone(pid)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_forwarded_and_stops_relaunching(job: Path, fake: str, tmp_path: Path,
+                                                   signum: int) -> None:
+    env = dict(os.environ, FAKE_MPIEXEC_PLAN="hang", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftkit.cli.main", "run", "-n", "2", "--max-restarts", "3",
+         "--mpiexec", fake, "--", "./a.out"],
+        env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "FAKE READY"   # the attempt is running
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=30)
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum
+    lines = attempt_lines(out)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"ftkit run: attempt 0: interrupted by {name} after ")
+    assert lines[0].endswith("; not relaunching")
+    assert {"signal": signum} in fake_log(tmp_path)
+    assert len(invocations(tmp_path)) == 1
+    last = list(read_events(job / "events.jsonl"))[-1]
+    assert (last["event"], last["status"]) == ("gave-up", 128 + signum)
+
+
+# ------------------------------------------------------------------------ the CLI itself
+def test_cli_separator_and_options_after_it(job: Path, fake: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPIEXEC_PLAN", "ok")
+    assert main(["run", "-n", "2", "--mpiexec", fake, "--", "python", "-u", "t.py", "-n", "5"]) == 0
+    assert main(["run", "-n", "3", "--mpiexec", fake, "./a.out", "--flag"]) == 0
+    first, second = (r["argv"] for r in invocations(tmp_path))
+    assert first == ["-n", "2", "python", "-u", "-m", "mpi4py", "t.py", "-n", "5"]
+    assert second == ["-n", "3", "./a.out", "--flag"]
+
+
+def test_cli_bad_config_exits_2(job: Path, fake: str, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("FTKIT_ATTEMPT_TIMEOUT", "5")
+    assert main(["run", "-n", "2", "--mpiexec", fake, "--", "./a.out"]) == 2
+    err = capsys.readouterr().err
+    assert "ftkit run: error:" in err and "FTKIT_ATTEMPT_TIMEOUT" in err
+    assert not (job / "events.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["run"], ["run", "-n", "2"], ["run", "-n", "2", "--"], ["run", "-n", "0", "--", "x"],
+    ["run", "-n", "2", "--max-restarts", "-1", "--", "x"],
+    ["run", "-n", "2", "--attempt-timeout", "0", "--", "x"],
+    ["run", "-n", "2", "--launcher", "lam", "--", "x"],
+    ["run", "-n", "2", "--launcher", "srun", "--", "x"],
+    ["nosuchcommand"],
+])
+def test_cli_usage_errors_exit_2(job: Path, argv: list[str]) -> None:
+    assert main(argv) == 2
+
+
+def test_cli_help(capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "--help"]) == 0
+    assert "--max-restarts" in capsys.readouterr().out
+
+
+def test_cli_imports_neither_mpi4py_nor_torch() -> None:
+    code = ("import sys, ftkit.cli.main, ftkit.launch; "
+            "bad = {'mpi4py', 'torch'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+# ---------------------------------------------------------------- real mpiexec smoke runs
+def _real_env(job: Path) -> dict[str, str]:
+    pytest.importorskip("mpi4py")
+    try:
+        find_mpiexec()
+    except LaunchError:
+        pytest.skip("no mpiexec beside this Python or on PATH")
+    bindir = os.path.dirname(sys.executable)          # `python` must be this venv's
+    return dict(os.environ, PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
+                PYTHONPATH=str(REPO))
+
+
+_DONE_SCRIPT = """
+import json, os
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+comm.Barrier()
+if comm.Get_rank() == 0:
+    with open(os.environ["FTKIT_DONE_FILE"], "w") as f:
+        json.dump({"attempt": int(os.environ["FTKIT_ATTEMPT"]), "world": comm.Get_size()}, f)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_smoke_real_mpiexec(job: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftkit.cli.main", "run", "-n", "2", "--attempt-timeout", "100",
+         "--", "python", "-c", _DONE_SCRIPT],
+        env=_real_env(job), capture_output=True, text=True, timeout=110, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = attempt_lines(proc.stdout)
+    assert len(lines) == 1 and lines[0].startswith("ftkit run: attempt 0: succeeded after ")
+    assert json.loads((job / ".done-attempt-0").read_text()) == {"attempt": 0, "world": 2}
+
+
+_RAISE_SCRIPT = """
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+if comm.Get_rank() == 1:
+    raise RuntimeError("boom on rank 1")
+comm.Barrier()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_smoke_uncaught_exception_aborts_instead_of_hanging(job: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftkit.cli.main", "run", "-n", "2", "--attempt-timeout", "60",
+         "--", "python", "-c", _RAISE_SCRIPT],
+        env=_real_env(job), capture_output=True, text=True, timeout=110, check=False)
+    assert proc.returncode not in (0, 124), proc.stdout + proc.stderr
+    lines = attempt_lines(proc.stdout)
+    assert len(lines) == 1 and "failed (exit" in lines[0]
+    assert "boom on rank 1" in proc.stderr
+
