@@ -21,8 +21,9 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ftkit  # noqa: E402
-from _common import emit, init_torch_distributed, params_digest  # noqa: E402
+from _common import emit, init_torch_distributed, params_digest
+
+import ftkit
 
 
 class Loader:

@@ -10,13 +10,31 @@ from typing import Any
 
 from ftkit.capture.rng import RNGState
 from ftkit.config import Config
-from ftkit.errors import (CheckpointError, ConfigError, CorruptCheckpointError, FtkitError,
-                          LaunchError, NoCheckpointError, UnrecoverableError)
+from ftkit.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    FtkitError,
+    LaunchError,
+    NoCheckpointError,
+    UnrecoverableError,
+)
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError",
-           "FtkitError", "LaunchError", "NoCheckpointError", "RNGState", "Topology",
-           "UnrecoverableError", "__version__"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "Config",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "FtkitError",
+    "LaunchError",
+    "NoCheckpointError",
+    "RNGState",
+    "Topology",
+    "UnrecoverableError",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,8 +11,9 @@ import concurrent.futures as cf
 import logging
 import os
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any, MutableMapping
+from typing import Any
 
 from mpi4py import MPI
 
@@ -45,7 +46,8 @@ class Checkpointer:
         self.dc = DistComm(topo.comm, config.timeout)
         root = config.job_local_dir / f"node-{topo.node}"
         self.faults = Faults(config.faults, rank=topo.rank, node=topo.node,
-                             attempt=config.attempt, rank_node=topo.rank_node, node_dir=root)
+                             attempt=config.attempt,
+                             rank_node=topo.rank_node, node_dir=root)
         self.local = LocalLevel(root, rank=topo.rank, node_leader=topo.is_node_leader,
                                 faults=self.faults)
         self._prepare_dirs()

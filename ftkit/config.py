@@ -9,8 +9,9 @@ import dataclasses
 import getpass
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ftkit.errors import ConfigError
 
@@ -91,6 +92,8 @@ class Config:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"FTKIT_LOG_LEVEL: {self.log_level!r}; valid: {', '.join(LOG_LEVELS)}")
         object.__setattr__(self, "log_level", self.log_level.upper())
+        text = ",".join(f"{name}:{every}" for name, every in self.levels)
+        object.__setattr__(self, "levels", parse_levels(text))
         if self.faults:
             from ftkit.testing.faults import parse_faults
             parse_faults(self.faults)   # validate early; raises ConfigError
@@ -119,7 +122,7 @@ class Config:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, toml_path: str | os.PathLike[str] | None = None,
-             env: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+             env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Build a Config from defaults, ``ftkit.toml``, ``FTKIT_*`` variables and overrides.
 
         ``toml_path`` defaults to ``$FTKIT_CONFIG`` or ``./ftkit.toml`` when that exists.
@@ -131,7 +134,7 @@ class Config:
         path = Path(toml_path) if toml_path else Path(env.get("FTKIT_CONFIG", "ftkit.toml"))
         if path.is_file():
             values.update(_from_toml(path))
-        elif toml_path is not None:
+        elif toml_path is not None or "FTKIT_CONFIG" in env:
             raise ConfigError(f"config file {path} does not exist")
         values.update(_from_env(env))
         for key, raw in overrides.items():
@@ -203,6 +206,8 @@ def _from_toml(path: Path) -> dict[str, Any]:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
     table = data.get("ftkit", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: 'ftkit' must be a table ([ftkit]), got {table!r}")
     out: dict[str, Any] = {}
     for key, raw in table.items():
         short = key.upper()

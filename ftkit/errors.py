@@ -5,7 +5,7 @@ where it can, so that a user reading one line of a log knows where to look.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 
 class FtkitError(Exception):

@@ -10,8 +10,9 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 
 def append_event(path: Path, event: str, **fields: Any) -> dict[str, Any]:

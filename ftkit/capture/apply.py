@@ -6,7 +6,8 @@ optimizer, stay valid); everything else is replaced in its container.
 """
 from __future__ import annotations
 
-from typing import Any, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 import numpy as np
 

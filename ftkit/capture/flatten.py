@@ -9,11 +9,14 @@ Skeleton nodes::
     {"t": "tensor", "i": index}                   index into the tensor list
     {"t": "obj",   "v": node}                     object restored via load_state_dict()
     {"t": "v", "v": value}                        int, str, bool, None
-    {"t": "f", "v": float.hex()}                  floats, bit-exact (inf/nan included)
+    {"t": "f", "v": "<hex of 8 bytes>"}           floats, bit-exact (IEEE-754 little endian,
+                                                  so NaN sign and payload survive)
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 import sys
 from typing import Any
 
@@ -72,7 +75,7 @@ def _flatten(x: Any, path: str, leaves: list[TensorLeaf]) -> Skeleton:
     if x is None or isinstance(x, (bool, int, str)):
         return {"t": "v", "v": x}
     if isinstance(x, float):
-        return {"t": "f", "v": float(x).hex()}
+        return {"t": "f", "v": struct.pack("<d", x).hex()}
     if _is_torch_tensor(x):
         return _tensor_leaf(x, path, leaves)
     if isinstance(x, dict):
@@ -104,29 +107,33 @@ def _tensor_leaf(t: Any, path: str, leaves: list[TensorLeaf]) -> Skeleton:
 def _array_leaf(a: np.ndarray, path: str, leaves: list[TensorLeaf], scalar: bool) -> Skeleton:
     if a.dtype.hasobject:
         raise UnsupportedLeaf(path, "numpy array of dtype object (would need pickle)")
-    descr = np.lib.format.dtype_to_descr(a.dtype)
+    try:
+        descr = np.lib.format.dtype_to_descr(a.dtype)
+    except ValueError as exc:
+        raise UnsupportedLeaf(path, f"numpy dtype {a.dtype} cannot be described: {exc}") from exc
     leaves.append(TensorLeaf(path, "numpy", descr if isinstance(descr, str) else
-                             "json:" + _json_descr(descr), a.shape, a.nbytes, a))
+                             "json:" + json.dumps(descr), a.shape, a.nbytes, a))
     node: Skeleton = {"t": "tensor", "i": len(leaves) - 1}
     if scalar:
         node["scalar"] = True
     return node
 
 
-def _json_descr(descr: Any) -> str:
-    import json
-    return json.dumps(descr)
+def _descr_from_json(descr: Any) -> Any:
+    """Undo JSON's tuple->list change in a structured ``dtype_to_descr`` list."""
+    if isinstance(descr, str):
+        return descr
+    fields = []
+    for name, sub, *shape in descr:
+        fields.append((tuple(name) if isinstance(name, list) else name,
+                       _descr_from_json(sub), *(tuple(s) for s in shape)))
+    return fields
 
 
 def numpy_dtype(descr: str) -> np.dtype:
     """Inverse of the dtype string stored for numpy leaves."""
     if descr.startswith("json:"):
-        import json
-
-        def tup(x: Any) -> Any:
-            return [tuple(tup(e) if isinstance(e, list) else e for e in f) for f in x] \
-                if isinstance(x, list) else x
-        return np.lib.format.descr_to_dtype(tup(json.loads(descr[5:])))
+        return np.lib.format.descr_to_dtype(_descr_from_json(json.loads(descr[5:])))
     return np.lib.format.descr_to_dtype(descr)
 
 
@@ -136,8 +143,10 @@ def leaf_from_bytes(leaf: TensorLeaf, raw: np.ndarray) -> Any:
         return raw.view(numpy_dtype(leaf.dtype)).reshape(leaf.shape)
     torch = _torch()
     if torch is None:
-        import torch  # noqa: F811 - lazily imported only when the shard holds torch tensors
+        import torch
     dtype = getattr(torch, leaf.dtype)
+    if leaf.nbytes == 0:
+        return torch.empty(leaf.shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(leaf.shape)
 
 
@@ -147,7 +156,7 @@ def unflatten(skel: Skeleton, tensors: list[Any]) -> Any:
     if t == "v":
         return skel["v"]
     if t == "f":
-        return float.fromhex(skel["v"])
+        return struct.unpack("<d", bytes.fromhex(skel["v"]))[0]
     if t == "tensor":
         val = tensors[skel["i"]]
         return val[()] if skel.get("scalar") else val

@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from mpi4py import MPI
 
@@ -106,7 +107,7 @@ class DistComm:
         failure: str | None = None
         try:
             result = fn()
-        except Exception as exc:  # noqa: BLE001 - converted into a collective failure
+        except Exception as exc:
             failure = describe(exc)
             log.debug("phase %s step %d failed locally", phase, step, exc_info=True)
         failures = self.agree(failure, phase, step)

@@ -87,7 +87,7 @@ class Topology:
 
     @classmethod
     def create(cls, comm: MPI.Comm, tp: int = 1, pp: int = 1,
-               ranks_per_node: int | None = None) -> "Topology":
+               ranks_per_node: int | None = None) -> Topology:
         """Split ``comm`` into DP/TP/PP groups and detect nodes. All ranks of ``comm`` call.
 
         ``ranks_per_node`` defaults to ``$FTKIT_RANKS_PER_NODE`` (virtual nodes) and, when

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
+from typing import Any
 
 from ftkit.capture.apply import load_into
 from ftkit.capture.flatten import leaf_from_bytes, unflatten

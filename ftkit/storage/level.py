@@ -36,7 +36,7 @@ class Level(abc.ABC):
                         leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> None:
         """Store this rank's shard of ``step`` as tentative. Local call on every rank."""
 
-    def encode(self, step: int) -> None:  # noqa: B027 - optional hook
+    def encode(self, step: int) -> None:
         """Build redundancy for ``step``. Collective over the level's communicator."""
 
     @abc.abstractmethod

@@ -21,8 +21,9 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Self
 
 import numpy as np
 import xxhash
@@ -118,13 +119,16 @@ class Shard:
 
     @classmethod
     def open(cls, path: Path, *, rank: int | None = None, step: int | None = None,
-             level: str = "local") -> "Shard":
+             level: str = "local") -> Shard:
         """Map ``path`` and validate its preamble and header (raises CorruptCheckpointError)."""
         def bad(reason: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(str(path), reason, rank=rank, step=step, level=level)
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
+                head = fh.read(len(MAGIC))
+                if head != MAGIC[:len(head)] or not head:
+                    raise bad(f"not an ftkit shard (magic {head!r}, expected {MAGIC!r})")
                 if size < _PREAMBLE.size:
                     raise bad(f"file is {size} bytes, shorter than a shard preamble (truncated?)")
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -195,7 +199,7 @@ class Shard:
         except BufferError:
             pass  # views still alive; the map is released when they are collected
 
-    def __enter__(self) -> "Shard":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ftkit.errors import ConfigError, InjectedFault
@@ -101,10 +102,10 @@ class Faults:
     """Per-process fault injector bound to one rank's identity."""
 
     def __init__(self, spec: str, *, rank: int, node: int, attempt: int,
-                 rank_node: "dict[int, int] | None" = None, node_dir: Path | None = None) -> None:
+                 rank_node: Sequence[int] = (), node_dir: Path | None = None) -> None:
         self.faults = parse_faults(spec) if spec else ()
         self.rank, self.node, self.attempt = rank, node, attempt
-        self.rank_node = rank_node or {}
+        self.rank_node = list(rank_node)     # node of every rank (Topology.rank_node)
         self.node_dir = node_dir
         self._fired: set[int] = set()
 
@@ -117,7 +118,7 @@ class Faults:
             if f.kind == "corrupt" or i in self._fired:
                 continue
             if f.kind == "node":
-                victim = f.node if f.node is not None else self.rank_node.get(f.rank or 0)
+                victim = f.node if f.node is not None else self._node_of(f.rank or 0)
                 if victim != self.node or not f.matches(phase=phase, step=step, rank=self.rank,
                                                         node=self.node, attempt=self.attempt):
                     continue
@@ -126,6 +127,9 @@ class Faults:
                 continue
             self._fired.add(i)
             self._trigger(f, phase, step)
+
+    def _node_of(self, rank: int) -> int | None:
+        return self.rank_node[rank] if 0 <= rank < len(self.rank_node) else None
 
     def after_write(self, path: Path, *, level: str, step: int) -> None:
         """Corrupt hook: flip one byte of ``path`` if a ``corrupt`` fault matches."""

@@ -1,8 +1,8 @@
 """Fixtures for end-to-end tests: failure-free reference digests, computed once per session."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

@@ -75,7 +75,8 @@ def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_n
            "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
            "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", str(seed)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp, env=job_env(tmp, **ftkit_env), capture_output=True,
+    proc = subprocess.run(cmd, check=False, cwd=tmp, env=job_env(tmp, **ftkit_env),
+                          capture_output=True,
                           text=True, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0,
                   tmp / "pfs", tmp / "local" / "e2e")

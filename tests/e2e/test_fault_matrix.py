@@ -7,8 +7,8 @@ decision leaves step 4, one after it leaves step 5) and end with the failure-fre
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
