@@ -23,7 +23,7 @@ from ftkit.capture.staging import Stager
 from ftkit.comm.dist import DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import IMPLEMENTED_LEVELS, Config
-from ftkit.errors import ConfigError, ProtocolTimeout
+from ftkit.errors import CheckpointError, ConfigError, ProtocolTimeout
 from ftkit.events import append_event
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import Snapshot, TwoPhase, raise_if_failed
@@ -84,6 +84,10 @@ class Checkpointer:
         """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
         ``step``. Returns after ``capture`` when async. All ranks call, with the same step."""
         self.wait()
+        if self.last_committed is not None and step <= self.last_committed:
+            raise CheckpointError(step, {}, message=(
+                f"save({step}): step {step} is not newer than the last committed step "
+                f"{self.last_committed}; steps must increase"))
         levels = self.config.levels_due(step)
         if not levels:
             return
@@ -156,9 +160,13 @@ class Checkpointer:
         raise_if_failed(out)
 
     def _retain_for(self, step: int) -> None:
-        """Before writing tentative ``step``: keep it and the newest permanent version."""
-        keep = {step} | ({self.last_committed} if self.last_committed is not None else set())
-        self.local.retain(keep)
+        """Before writing tentative ``step``: keep it and the newest permanent version (the
+        newest committed one on this node when this Checkpointer has not seen a commit)."""
+        newest = self.last_committed
+        if newest is None:
+            newest = max((s for s in self.local.steps() if self.local.is_committed(s)),
+                         default=None)
+        self.local.retain({step} | ({newest} if newest is not None else set()))
 
     def _after_restore(self, found: recovery.Discovery) -> None:
         """Keep the restored step (completing its commit record) and one older committed

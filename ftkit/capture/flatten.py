@@ -134,7 +134,7 @@ def numpy_dtype(descr: str) -> np.dtype:
     """Inverse of the dtype string stored for numpy leaves."""
     if descr.startswith("json:"):
         return np.lib.format.descr_to_dtype(_descr_from_json(json.loads(descr[5:])))
-    return np.lib.format.descr_to_dtype(descr)
+    return np.lib.format.descr_to_dtype(descr)  # type: ignore[arg-type]
 
 
 def leaf_from_bytes(leaf: TensorLeaf, raw: np.ndarray) -> Any:

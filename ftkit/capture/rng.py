@@ -20,7 +20,7 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
-        np_state = np.random.get_state()
+        np_state: Any = np.random.get_state(legacy=True)
         out: dict[str, Any] = {
             "python": {"version": version, "state": np.asarray(internal, dtype=np.uint64),
                        "gauss": gauss},

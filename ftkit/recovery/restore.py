@@ -36,15 +36,18 @@ def discover(dc: DistComm, level: LocalLevel, faults: Faults,
     """Agree on the newest committed step that every rank holds intact. All ranks call."""
     faults.fire("restore-discover", None)
     inv = level.inventory()
-    mine = {str(s): {"c": v["committed"], "h": v["have"], "w": level.record_world(s)}
-            for s, v in inv.items()}
-    every = dc.allgather(mine, "restore-discover")
+    mine = {"node": level.root.name,
+            "steps": {str(s): {"c": v["committed"], "h": v["have"], "w": level.record_world(s)}
+                      for s, v in inv.items()}}
+    gathered = dc.allgather(mine, "restore-discover")
+    nodes = [g["node"] for g in gathered]
+    every = [g["steps"] for g in gathered]
     committed = sorted({int(s) for inv_r in every for s, v in inv_r.items() if v["c"]},
                        reverse=True)
     _refuse_foreign_world(every, committed, dc.size, level)
     skipped: dict[int, dict[int, str]] = {}
     for step in committed:
-        missing = {r: f"shard of step {step} missing on node {level.root.name}"
+        missing = {r: f"shard of step {step} missing on {nodes[r]}"
                    for r, inv_r in enumerate(every) if not inv_r.get(str(step), {}).get("h")}
         failures = missing or dc.agree(_verify(level, step, dc.size), "restore-discover", step)
         if not failures:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
-from ftkit.errors import CorruptCheckpointError, StorageError
+from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ftkit.storage.level import Level
 from ftkit.storage.shard import Shard, fsync_dir, write_shard
 from ftkit.testing.faults import Faults
@@ -101,6 +101,10 @@ class LocalLevel(Level):
     def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
                         leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> None:
         path = self.shard_path(step)
+        if self.is_committed(step):
+            raise CheckpointError(step, {}, message=(
+                f"{self.step_dir(step)} already holds committed step {step} (rank "
+                f"{self.rank}); steps must increase, so it is kept and not overwritten"))
         try:
             make_private_dir(self.step_dir(step))
             write_shard(path, meta, tree, leaves, buffers)
@@ -118,7 +122,8 @@ class LocalLevel(Level):
             write_record(self.step_dir(step) / COMMITTED, record)
 
     def discard(self, step: int) -> None:
-        self.shard_path(step).unlink(missing_ok=True)
+        if not self.is_committed(step):      # never touch a permanent version
+            self.shard_path(step).unlink(missing_ok=True)
 
     def record_world(self, step: int) -> int | None:
         """World size in the node's commit record of ``step`` (None if absent/unreadable)."""

@@ -49,7 +49,7 @@ def _align(n: int) -> int:
 def build_header(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
                  buffers: list[np.ndarray]) -> tuple[bytes, list[int]]:
     """Header bytes and data offsets for ``leaves`` whose bytes are ``buffers`` (pure)."""
-    entries = [{"path": lf.path, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape),
+    entries: list[dict[str, Any]] = [{"path": lf.path, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape),
                 "nbytes": lf.nbytes, "checksum": checksum(buf)}
                for lf, buf in zip(leaves, buffers)]
     # offsets depend on the header length, which depends on the offsets' digits: iterate
@@ -81,7 +81,7 @@ def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[Tensor
                                             xxhash.xxh3_64_intdigest(head)) + head)
         for off, buf in zip(offsets, buffers):
             pos += _write_all(fd, bytes(off - pos))
-            pos += _write_all(fd, memoryview(buf).cast("B"))
+            pos += _write_all(fd, memoryview(buf).cast("B"))  # type: ignore[arg-type]
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -1,0 +1,203 @@
+"""Restore corner cases on 4 ranks / 2 virtual nodes: corrupt or foreign shards make every
+rank fall back to the previous step; nothing committed restores 0.
+
+A rank only touches files in its own node's directory (rank 2 owns node 1's, ranks 0-1 node
+0's), as the code under test must.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from ftkit import Checkpointer, Config
+from ftkit.testing.faults import flip_byte
+
+from .mpi_helpers import (
+    RANK,
+    WORLD,
+    allgather,
+    canon,
+    catch,
+    diff,
+    error_summary,
+    events,
+    node_listing,
+    small_state,
+    topology,
+)
+
+NODE = RANK // 2
+
+
+def save_steps(topo, steps, **overrides) -> dict:
+    """Save ``steps`` (sync) in one Checkpointer; return each step's canonical state."""
+    ckpt = Checkpointer(topo, Config.load(async_=False, **overrides))
+    out = {}
+    for s in steps:
+        state = small_state(RANK, s)
+        out[s] = canon(state)
+        ckpt.save(s, state)
+    ckpt.close()
+    return out
+
+
+def restore_fresh(topo) -> tuple[int, dict]:
+    state = small_state(RANK, 0)
+    ckpt = Checkpointer(topo, Config.load())
+    step = ckpt.restore(state)
+    ckpt.close()
+    return step, state
+
+
+@pytest.mark.parametrize("how", ["flip_byte", "fault-spec"])
+def test_corrupt_newest_shard_of_rank_2_falls_back(ftkit_env, how):
+    with topology() as topo:
+        if how == "flip_byte":
+            expected = save_steps(topo, [1, 2])
+            if RANK == 2:          # rank 2 lives on node 1 and owns that directory
+                flip_byte(ftkit_env.step_dir(1, 2) / "rank-2.ftk")
+        else:                      # corrupted right after it was written, then committed
+            expected = save_steps(topo, [1, 2], faults="corrupt:rank=2:step=2:level=local")
+        WORLD.Barrier()
+        step, state = restore_fresh(topo)
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    evs = events(ftkit_env.events_path)
+    skips = [e for e in evs if e["event"] == "restore-skip"]
+    assert len(skips) == 1, evs
+    assert skips[0]["step"] == 2 and list(skips[0]["failures"]) == ["2"]
+    why = skips[0]["failures"]["2"]
+    assert "rank-2.ftk" in why and "checksum" in why
+    restores = [e for e in evs if e["event"] == "restore"]
+    assert [(e["step"], e["skipped"]) for e in restores] == [(1, [2])]
+
+
+def test_nothing_committed_restores_zero(ftkit_env):
+    with topology() as topo:
+        state = small_state(RANK, 5)
+        before = canon(state)
+        ckpt = Checkpointer(topo, Config.load())
+        step = ckpt.restore(state)
+        ckpt.close()
+    evs = events(ftkit_env.events_path)
+    assert allgather((step, diff(before, canon(state)))) == [(0, [])] * 4
+    assert [(e["event"], e["step"]) for e in evs] == [("restore", 0)]
+
+
+def test_only_an_aborted_step_restores_zero(ftkit_env):
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(async_=False,
+                                              faults="raise:rank=3:step=1:phase=vote"))
+        error = catch(ckpt.save, 1, small_state(RANK, 1))
+        ckpt.close()
+        step, _ = restore_fresh(topo)
+    assert allgather((type(error).__name__, step)) == [("CheckpointError", 0)] * 4
+
+
+# the rank that replaces its own newest shard, and how
+FOREIGN = ["garbage", "other-rank", "other-step", "truncated", "missing", "empty"]
+
+
+@pytest.mark.parametrize("how", FOREIGN)
+def test_foreign_shard_falls_back_to_previous_step(ftkit_env, how):
+    victim = 1                                      # on node 0 with rank 0
+    with topology() as topo:
+        expected = save_steps(topo, [1, 2])
+        if RANK == victim:
+            shard = ftkit_env.step_dir(0, 2) / f"rank-{victim}.ftk"
+            size = shard.stat().st_size
+            if how == "garbage":
+                shard.write_bytes(os.urandom(size))
+            elif how == "other-rank":          # a valid shard, of rank 0 (same node)
+                shutil.copyfile(ftkit_env.step_dir(0, 2) / "rank-0.ftk", shard)
+            elif how == "other-step":          # a valid shard of this rank, of step 1
+                shutil.copyfile(ftkit_env.step_dir(0, 1) / f"rank-{victim}.ftk", shard)
+            elif how == "truncated":
+                os.truncate(shard, size // 2)
+            elif how == "missing":
+                shard.unlink()
+            elif how == "empty":
+                shard.write_bytes(b"")
+        WORLD.Barrier()
+        step, state = restore_fresh(topo)
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    skips = [e for e in events(ftkit_env.events_path) if e["event"] == "restore-skip"]
+    assert [(e["step"], list(e["failures"])) for e in skips] == [(2, [str(victim)])]
+
+
+def test_restore_then_continue_saving(ftkit_env):
+    """After falling back to step 1 the job saves step 2 again, and that is restorable."""
+    with topology() as topo:
+        save_steps(topo, [1, 2])
+        if RANK == 3:
+            flip_byte(ftkit_env.step_dir(1, 2) / "rank-3.ftk")
+        WORLD.Barrier()
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load())
+        first = ckpt.restore(state)
+        again = small_state(RANK, 22)
+        ckpt.save(2, again)
+        ckpt.close()
+        step, restored = restore_fresh(topo)
+    everyone = allgather((first, step, diff(canon(again), canon(restored))))
+    assert everyone == [(1, 2, [])] * 4, everyone
+
+
+def test_committed_step_of_another_world_size_is_refused(ftkit_env):
+    """A committed step whose record says 8 ranks: every rank refuses it, nothing changes."""
+    with topology() as topo:
+        save_steps(topo, [1])
+        if RANK % 2 == 0:                       # each node leader edits its own node's record
+            path = ftkit_env.step_dir(NODE, 1) / "COMMITTED"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "world": 8}))
+        WORLD.Barrier()
+        state = small_state(RANK, 0)
+        before = canon(state)
+        ckpt = Checkpointer(topo, Config.load())
+        error = error_summary(catch(ckpt.restore, state))
+        ckpt.close()
+        listing = node_listing(ftkit_env.step_dir(NODE, 1))
+    everyone = allgather((error, listing, diff(before, canon(state))))
+    errors = [e[0] for e in everyone]
+    assert all(e == errors[0] for e in errors), errors
+    assert errors[0] is not None and errors[0][0] == "CheckpointError"
+    assert "8 ranks" in errors[0][3] and "this job has 4" in errors[0][3]
+    for r, (_, listing, changed) in enumerate(everyone):
+        assert {"COMMITTED", f"rank-{r}.ftk"} <= set(listing or ()), (r, listing)
+        assert changed == [], (r, changed)
+
+
+def test_restore_load_failure_on_one_rank_is_the_same_error_everywhere(ftkit_env):
+    """Rank 3's live state lacks a key of the checkpoint: phase restore-load fails there,
+    and every rank raises the same CheckpointError naming rank 3."""
+    with topology() as topo:
+        save_steps(topo, [1])
+        state = small_state(RANK, 0)
+        if RANK == 3:
+            del state["np"]
+        ckpt = Checkpointer(topo, Config.load())
+        error = error_summary(catch(ckpt.restore, state))
+        ckpt.close()
+    errors = allgather(error)
+    assert all(e == errors[0] for e in errors), errors
+    kind, step, failures, message = errors[0]
+    assert (kind, step) == ("CheckpointError", 1)
+    assert [r for r, _ in failures] == [3] and "np" in failures[0][1]
+    assert "restore-load" in message
+
+
+def test_missing_shard_is_reported_on_its_own_node(ftkit_env):
+    with topology() as topo:
+        save_steps(topo, [1, 2])
+        if RANK == 3:
+            (ftkit_env.step_dir(1, 2) / "rank-3.ftk").unlink()
+        WORLD.Barrier()
+        step, _ = restore_fresh(topo)
+    skips = [e for e in events(ftkit_env.events_path) if e["event"] == "restore-skip"]
+    assert allgather(step) == [1] * 4
+    assert [(e["step"], list(e["failures"])) for e in skips] == [(2, ["3"])]
+    assert "node-1" in skips[0]["failures"]["3"], skips[0]["failures"]["3"]
