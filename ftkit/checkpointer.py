@@ -28,6 +28,7 @@ from ftkit.events import append_event
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import Snapshot, TwoPhase, raise_if_failed
 from ftkit.recovery import restore as recovery
+from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
 from ftkit.testing.faults import Faults
 
@@ -51,10 +52,12 @@ class Checkpointer:
         self.local = LocalLevel(root, rank=topo.rank, node_leader=topo.is_node_leader,
                                 faults=self.faults)
         self._prepare_dirs()
-        self.proto = TwoPhase(self.dc, {"local": self.local}, self.faults,
+        self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
+        self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit)
         self.stager = Stager()
         self.last_committed: int | None = None
+        self.level_last: dict[str, int] = {}     # newest committed step of every level
         self.blocked_seconds: list[float] = []
         self._async = config.async_ and self._threads_ok()
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-ckpt") if self._async \
@@ -68,10 +71,9 @@ class Checkpointer:
         (0 when none). All ranks call."""
         self.wait()
         t0 = time.monotonic()
-        found = recovery.discover(self.dc, self.local, self.faults, self._emit)
-        self.faults.fire("restore-rebuild", found.step)
+        found = recovery.discover(self.dc, self.levels, self.faults, self._emit)
         if found.step:
-            recovery.load(self.dc, self.local, self.faults, found.step, state)
+            recovery.load(self.dc, self.levels, self.faults, found.step, state)
             self.last_committed = found.step
         self._after_restore(found)
         self._emit("restore", step=found.step, skipped=sorted(found.skipped),
@@ -84,6 +86,7 @@ class Checkpointer:
         """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
         ``step``. Returns after ``capture`` when async. All ranks call, with the same step."""
         self.wait()
+        self.faults.fire("between", step)
         if self.last_committed is not None and step <= self.last_committed:
             raise CheckpointError(step, {}, message=(
                 f"save({step}): step {step} is not newer than the last committed step "
@@ -157,26 +160,31 @@ class Checkpointer:
             raise
         if out.committed:
             self.last_committed = snap.step
+            self.level_last.update({name: snap.step for name in snap.levels})
         raise_if_failed(out)
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
         newest committed one on this node when this Checkpointer has not seen a commit)."""
-        newest = self.last_committed
-        if newest is None:
-            newest = max((s for s in self.local.steps() if self.local.is_committed(s)),
-                         default=None)
-        self.local.retain({step} | ({newest} if newest is not None else set()))
+        keep = {step} | set(self.level_last.values())
+        if self.last_committed is None:
+            keep |= {max((s for s in self.local.steps() if self.local.is_committed(s)),
+                         default=step)}
+        self.local.retain(keep)
 
     def _after_restore(self, found: recovery.Discovery) -> None:
-        """Keep the restored step (completing its commit record) and one older committed
-        step; drop newer or uncommitted versions. All ranks call (node leaders act)."""
-        older = [s for s in found.committed if s < found.step][:1]
-        keep = ({found.step} if found.step else set()) | set(older)
+        """Keep the restored step (completing its commit record), one older committed step
+        and the newest committed step of every level; drop newer or uncommitted versions.
+        All ranks call (node leaders act)."""
+        usable = [s for s in found.committed if s <= found.step and s not in found.skipped]
+        for step in reversed(usable):                     # oldest first: newest wins
+            self.level_last.update({lv: step for lv in found.levels_of[step]})
+        keep = set(usable[:2]) | set(self.level_last.values())
         if found.step and self.topo.is_node_leader and not self.local.is_committed(found.step):
             write_record(self.local.step_dir(found.step) / COMMITTED,
                          {"step": found.step, "decision": "commit", "time": time.time(),
-                          "world": self.topo.world, "completed_by": "restore"})
+                          "world": self.topo.world, "levels": found.levels_of[found.step],
+                          "completed_by": "restore"})
         self.local.retain(keep)
         self.dc.barrier("restore-load", found.step)
 

@@ -17,7 +17,8 @@ from ftkit.errors import ConfigError
 
 LEVEL_NAMES = ("local", "partner", "xor", "rs", "pfs")
 #: Levels this build implements; the others are accepted by the parser but rejected at use.
-IMPLEMENTED_LEVELS = ("local",)
+IMPLEMENTED_LEVELS = ("local", "partner", "xor", "rs")
+REDUNDANCY_LEVELS = ("partner", "xor", "rs")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -94,9 +95,23 @@ class Config:
         object.__setattr__(self, "log_level", self.log_level.upper())
         text = ",".join(f"{name}:{every}" for name, every in self.levels)
         object.__setattr__(self, "levels", parse_levels(text))
+        self._check_schedule()
         if self.faults:
             from ftkit.testing.faults import parse_faults
             parse_faults(self.faults)   # validate early; raises ConfigError
+
+    def _check_schedule(self) -> None:
+        """Redundancy levels encode the node-local shard: local must be due whenever they are."""
+        every = dict(self.levels)
+        for name in (*REDUNDANCY_LEVELS, "pfs"):
+            if name not in every:
+                continue
+            if "local" not in every:
+                raise ConfigError(f"FTKIT_LEVELS: level {name!r} needs the 'local' level "
+                                  f"(e.g. local:1,{name}:{every[name]})")
+            if every[name] % every["local"]:
+                raise ConfigError(f"FTKIT_LEVELS: interval of {name!r} ({every[name]}) must be "
+                                  f"a multiple of the interval of 'local' ({every['local']})")
 
     # ----------------------------------------------------------------- derived
     def interval(self, level: str) -> int:
@@ -104,8 +119,9 @@ class Config:
         return dict(self.levels).get(level, 0)
 
     def levels_due(self, step: int) -> tuple[str, ...]:
-        """Levels whose interval divides ``step``."""
-        return tuple(name for name, every in self.levels if step % every == 0)
+        """Levels whose interval divides ``step``, in the order they are written."""
+        due = {name for name, every in self.levels if step % every == 0}
+        return tuple(name for name in LEVEL_NAMES if name in due)
 
     @property
     def job_local_dir(self) -> Path:

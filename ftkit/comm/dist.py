@@ -37,9 +37,13 @@ class DistComm:
     # ---------------------------------------------------------------- plumbing
     def wait(self, req: MPI.Request, phase: str, step: int | None) -> None:
         """Poll ``req`` until it completes or the deadline passes (then raise)."""
+        self.waitall([req], phase, step)
+
+    def waitall(self, reqs: list[MPI.Request], phase: str, step: int | None) -> None:
+        """Poll ``reqs`` until all complete or the deadline passes (then raise)."""
         deadline = time.monotonic() + self.timeout
         pause = 0.0
-        while not req.Test():
+        while reqs and not MPI.Request.Testall(reqs):
             if time.monotonic() > deadline:
                 raise ProtocolTimeout(
                     step if step is not None else -1,
@@ -50,6 +54,10 @@ class DistComm:
             pause = min(0.005, pause + 0.0002)
 
     # -------------------------------------------------------------- collectives
+    def split(self, color: int, key: int) -> DistComm:
+        """A DistComm over the ranks with the same ``color`` (same timeout). All ranks call."""
+        return DistComm(self.comm.Split(color, key), self.timeout, dup=False)
+
     def barrier(self, phase: str, step: int | None = None) -> None:
         """Barrier with deadline. All ranks call."""
         self.wait(self.comm.Ibarrier(), phase, step)

@@ -14,6 +14,7 @@ import os
 
 from mpi4py import MPI
 
+from ftkit.comm import placement
 from ftkit.comm.dist import install_abort_hooks
 from ftkit.errors import ConfigError
 
@@ -47,25 +48,6 @@ def virtual_nodes(world: int, ranks_per_node: int) -> list[int]:
     if ranks_per_node < 1:
         raise ConfigError(f"FTKIT_RANKS_PER_NODE must be >= 1, got {ranks_per_node}")
     return [r // ranks_per_node for r in range(world)]
-
-
-def ring_partners(rank_node: list[int]) -> list[int]:
-    """Partner of every rank: the rank with the same position on the next node (ring).
-
-    Rank r's copy is stored on ``partners[r]``, which always lives on a different node.
-    Raises ConfigError when there is only one node.
-    """
-    nodes = sorted(set(rank_node))
-    if len(nodes) < 2:
-        raise ConfigError(f"a partner on a different node is impossible: all {len(rank_node)} "
-                          f"ranks are on 1 node (set FTKIT_RANKS_PER_NODE or use >= 2 nodes)")
-    members = {n: [r for r, m in enumerate(rank_node) if m == n] for n in nodes}
-    partners = []
-    for rank, node in enumerate(rank_node):
-        pos = members[node].index(rank)
-        nxt = members[nodes[(nodes.index(node) + 1) % len(nodes)]]
-        partners.append(nxt[pos % len(nxt)])
-    return partners
 
 
 class Topology:
@@ -126,9 +108,21 @@ class Topology:
     def ranks_on(self, node: int) -> list[int]:
         return [r for r, n in enumerate(self.rank_node) if n == node]
 
+    @property
+    def shard_of(self) -> list[tuple[int, int]]:
+        """(tp, pp) coordinates of every rank: ranks with equal values are DP replicas."""
+        return [(c.tp, c.pp) for c in (coords_of(r, self.dp, self.tp, self.pp)
+                                       for r in range(self.world))]
+
     def partner_map(self) -> list[int]:
         """``partners[r]`` stores rank r's copy; always on another node (ConfigError if none)."""
-        return ring_partners(self.rank_node)
+        return placement.partner_map(self.rank_node, self.shard_of)
+
+    def erasure_sets(self, size: int, *, minimum: int = 2, what: str = "erasure"
+                     ) -> list[list[int]]:
+        """Erasure sets of ``size`` ranks on distinct nodes (ConfigError if impossible)."""
+        return placement.erasure_sets(self.rank_node, size, minimum=minimum,
+                                      shard_of=self.shard_of, what=what)
 
     def describe(self) -> dict[str, int]:
         """JSON-able description stored in shard headers."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm, describe
-from ftkit.errors import CheckpointError
+from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.level import Level
 from ftkit.testing.faults import Faults
 
@@ -70,15 +70,15 @@ class TwoPhase:
         """Run phases write-local .. commit for ``snap.step``. All ranks call."""
         t0 = time.monotonic()
         step = snap.step
-        failure = snap.failure or self._local(snap)
+        failure = self._local(snap)
         try:
             self.faults.fire("vote", step)
         except Exception as exc:  # noqa: BLE001 - a failing voter votes no
             failure = failure or describe(exc)
         votes = self.dc.gather(failure, "vote", step, root=COORDINATOR)
-        decision = self.dc.bcast(self._decide(step, votes) if votes is not None else None,
+        decision = self.dc.bcast(self._decide(step, votes, snap.levels) if votes is not None else None,
                                  "decide", step, root=COORDINATOR)
-        late = self._finish(step, decision)
+        late = self._finish(step, decision, snap.levels)
         late_failures = self.dc.agree(late, "commit", step)
         failures = {int(r): f for r, f in decision["failures"].items()} | late_failures
         out = Outcome(step, decision["commit"], failures, time.monotonic() - t0)
@@ -88,48 +88,74 @@ class TwoPhase:
         return out
 
     def _local(self, snap: Snapshot) -> str | None:
-        """Phases write-local and encode on this rank; returns a failure or None."""
+        """Phases write-local and encode on this rank; returns a failure or None.
+
+        Encoding is collective, so when redundancy levels are due every rank first learns
+        whether all writes succeeded; if one failed, nobody encodes (everyone votes on)."""
         step = snap.step
+        failure = snap.failure
+        if failure is None:
+            failure = self._guard(lambda: self._write(snap), step)
+        redundant = [name for name in snap.levels if name != "local"]
+        if not redundant:
+            return failure
+        if failure is None:
+            failure = self._guard(lambda: self.faults.fire("encode", step), step)
+        if self.dc.agree(failure, "encode", step):
+            return failure
+        return self._guard(lambda: self._encode(step, redundant), step)
+
+    def _encode(self, step: int, names: list[str]) -> None:
+        for name in names:
+            self.levels[name].encode(step)   # collective over the level's communicator
+
+    def _write(self, snap: Snapshot) -> None:
+        self.faults.fire("write-local", snap.step)
+        self.before_write(snap.step)
+        for name in snap.levels:
+            self.levels[name].write_tentative(snap.step, snap.meta, snap.tree, snap.leaves,
+                                              snap.buffers)
+
+    def _guard(self, fn: Callable[[], object], step: int) -> str | None:
+        """Run fn; a failure becomes this rank's "no" vote (logged), never a missed collective."""
         try:
-            self.faults.fire("write-local", step)
-            self.before_write(step)
-            for name in snap.levels:
-                self.levels[name].write_tentative(step, snap.meta, snap.tree, snap.leaves,
-                                                  snap.buffers)
-            self.faults.fire("encode", step)
-            for name in snap.levels:
-                self.levels[name].encode(step)
+            fn()
+        except ProtocolTimeout:
+            raise
         except Exception as exc:  # noqa: BLE001 - reported through the vote
             log.error("rank %d: step %d failed before the vote: %s", self.dc.rank, step,
                       describe(exc))
             return describe(exc)
         return None
 
-    def _decide(self, step: int, votes: list[str | None]) -> dict[str, Any]:
+    def _record(self, step: int, levels: tuple[str, ...]) -> dict[str, Any]:
+        return {"step": step, "decision": "commit", "time": time.time(),
+                "world": self.dc.size, "levels": list(levels)}
+
+    def _decide(self, step: int, votes: list[str | None], levels: tuple[str, ...]
+                ) -> dict[str, Any]:
         """Coordinator: decide, record a commit durably, then return the announcement."""
         failures = {r: v for r, v in enumerate(votes) if v is not None}
         commit = not failures
         try:
             self.faults.fire("decide", step)
             if commit:
-                record = {"step": step, "decision": "commit", "time": time.time(),
-                          "world": self.dc.size}
                 for level in self.levels.values():
-                    level.record_commit(step, record)
+                    level.record_commit(step, self._record(step, levels))
         except Exception as exc:  # noqa: BLE001 - no durable record: abort
             failures[self.dc.rank] = describe(exc)
             commit = False
         return {"commit": commit, "failures": failures}
 
-    def _finish(self, step: int, decision: dict[str, Any]) -> str | None:
+    def _finish(self, step: int, decision: dict[str, Any], levels: tuple[str, ...]
+                ) -> str | None:
         """Phase commit on this rank; returns a late failure or None."""
         try:
             if self.dc.rank != COORDINATOR:
                 self.faults.fire("decide", step)
             self.faults.fire("commit", step)
-            record = {"step": step, "decision": "commit", "time": time.time(),
-                      "world": self.dc.size}
-            for level in self.levels.values():
+            record = self._record(step, levels)
+            for level in (self.levels[name] for name in levels):
                 if decision["commit"]:
                     level.commit(step, record)
                 else:

@@ -1,8 +1,10 @@
-"""Restore the newest step that is committed and intact on every rank (DESIGN §4).
+"""Restore the newest step that is committed and recoverable on every rank (DESIGN §4).
 
-Phases: ``restore-discover`` (ranks exchange inventories over MPI and verify their own shard
-of each candidate, newest first), ``restore-rebuild`` (nothing to rebuild with the local
-level alone), ``restore-load``. A rank only reads its own node's directory.
+Phases: ``restore-discover`` (ranks exchange inventories over MPI; for each committed step,
+newest first, every rank verifies what it holds and a :mod:`plan <ftkit.recovery.plan>` says
+whether lost shards can be rebuilt), ``restore-rebuild`` (partner copies / XOR / RS decoding
+over MPI, see :mod:`ftkit.recovery.rebuild`), ``restore-load``. A rank only reads its own
+node's directory; everything from another node travels over MPI.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from typing import Any
 from ftkit.capture.apply import load_into
 from ftkit.capture.flatten import leaf_from_bytes, unflatten
 from ftkit.comm.dist import DistComm
-from ftkit.errors import CheckpointError, CorruptCheckpointError
-from ftkit.storage.local import LocalLevel
+from ftkit.errors import CheckpointError
+from ftkit.recovery import rebuild
+from ftkit.recovery.plan import make_plan
+from ftkit.storage.levels import Levels
 from ftkit.storage.shard import leaves_of
 from ftkit.testing.faults import Faults
 
@@ -28,51 +32,74 @@ class Discovery:
 
     step: int                       # 0 when nothing usable is committed
     committed: list[int]            # every step committed somewhere, newest first
-    skipped: dict[int, dict[int, str]]
+    skipped: dict[int, str]         # step -> why it was not usable
+    levels_of: dict[int, list[str]]  # step -> levels it was saved with
+    rebuilt: list[int] = dataclasses.field(default_factory=list)
 
 
-def discover(dc: DistComm, level: LocalLevel, faults: Faults,
+def discover(dc: DistComm, levels: Levels, faults: Faults,
              emit: Callable[..., None]) -> Discovery:
-    """Agree on the newest committed step that every rank holds intact. All ranks call."""
+    """Agree on the newest committed step every rank can load, rebuilding lost shards when
+    a redundancy level allows. All ranks call."""
     faults.fire("restore-discover", None)
-    inv = level.inventory()
-    mine = {"node": level.root.name,
-            "steps": {str(s): {"c": v["committed"], "h": v["have"], "w": level.record_world(s)}
-                      for s, v in inv.items()}}
+    local = levels.local
+    mine = {"node": local.root.name,
+            "steps": {str(s): {"c": v["committed"], **local.record_info(s)}
+                      for s, v in local.inventory().items()}}
     gathered = dc.allgather(mine, "restore-discover")
     nodes = [g["node"] for g in gathered]
     every = [g["steps"] for g in gathered]
-    committed = sorted({int(s) for inv_r in every for s, v in inv_r.items() if v["c"]},
+    committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
                        reverse=True)
-    _refuse_foreign_world(every, committed, dc.size, level)
-    skipped: dict[int, dict[int, str]] = {}
+    _refuse_foreign_world(every, committed, dc.size, local.root.parent)
+    levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
+                 or ["local"] for s in committed}
+    found = Discovery(0, committed, {}, levels_of)
     for step in committed:
-        missing = {r: f"shard of step {step} missing on {nodes[r]}"
-                   for r, inv_r in enumerate(every) if not inv_r.get(str(step), {}).get("h")}
-        failures = missing or dc.agree(_verify(level, step, dc.size), "restore-discover", step)
-        if not failures:
-            return Discovery(step, committed, skipped)
-        skipped[step] = failures
+        reports = dc.allgather(rebuild.local_report(levels, step, dc.size, levels_of[step]),
+                               "restore-discover", step)
+        plan = make_plan(step, reports, levels_of[step], levels.partners, levels.sets,
+                         levels.parity, nodes)
+        if plan.ok and plan.lost:
+            plan.unrecoverable = _try_rebuild(dc, levels, faults, plan, reports,
+                                              levels_of[step], emit, nodes)
+        if plan.ok:
+            found.step, found.rebuilt = step, plan.lost
+            return found
+        found.skipped[step] = str(plan.unrecoverable)
+        failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
         if dc.rank == 0:
-            log.warning("restore: committed step %d is unusable, trying an older one: %s",
-                        step, "; ".join(f"rank {r}: {f}" for r, f in failures.items()))
-        emit("restore-skip", step=step, failures=failures)
-    return Discovery(0, committed, skipped)
+            detail = "; ".join(f"rank {r}: {f}" for r, f in failures.items())
+            log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
+                        step, detail or "no shard lost", plan.unrecoverable)
+        emit("restore-skip", step=step, failures=failures, reason=plan.unrecoverable)
+    if committed and dc.rank == 0:
+        log.warning("restore: none of the committed steps %s is recoverable; starting over",
+                    committed)
+    return found
 
 
-def _verify(level: LocalLevel, step: int, world: int) -> str | None:
-    """Check this rank's shard of ``step`` completely; a failure description or None."""
+def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, reports: Any,
+                 step_levels: list[str], emit: Callable[..., None], nodes: list[str]
+                 ) -> str | None:
+    lost_nodes = sorted({nodes[r] for r in plan.lost})
+    how = ([f"partner copies for ranks {plan.from_partner}"] if plan.from_partner else []) + \
+        [f"{lv} parity for sets {sorted(per)}" for lv, per in plan.erasure.items()]
     try:
-        with level.open_shard(step) as shard:
-            shard.check_identity(rank=level.rank, step=step, world=world)
-            shard.verify()
-    except CorruptCheckpointError as exc:
-        return str(exc)
+        rebuild.execute(dc, levels, faults, plan, reports, step_levels)
+    except CheckpointError as exc:
+        return f"rebuild of step {plan.step} failed: {exc}"
+    if dc.rank == 0:
+        log.warning("restore: step %d: rebuilt the shards of ranks %s (lost on %s) from %s",
+                    plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(how))
+    emit("rebuild", step=plan.step, ranks=plan.lost, nodes=lost_nodes,
+         from_partner=plan.from_partner,
+         erasure={lv: {str(k): v for k, v in per.items()} for lv, per in plan.erasure.items()})
     return None
 
 
 def _refuse_foreign_world(every: list[dict[str, Any]], committed: list[int], world: int,
-                          level: LocalLevel) -> None:
+                          where: Any) -> None:
     """A committed step written by another world size must not be silently overwritten."""
     for step in committed:
         worlds = {v["w"] for inv in every for s, v in inv.items()
@@ -80,18 +107,18 @@ def _refuse_foreign_world(every: list[dict[str, Any]], committed: list[int], wor
         other = sorted(w for w in worlds if w != world)
         if other:
             raise CheckpointError(step, {}, message=(
-                f"the committed step {step} under {level.root.parent} was written by a job of "
+                f"the committed step {step} under {where} was written by a job of "
                 f"{other[0]} ranks, and this job has {world}; relaunch with {other[0]} ranks "
                 f"(or use another FTKIT_JOB); nothing was modified"))
 
 
-def load(dc: DistComm, level: LocalLevel, faults: Faults, step: int,
+def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
          state: MutableMapping[str, Any]) -> None:
     """Load this rank's shard of ``step`` into ``state``; the same error everywhere on
     failure. All ranks call."""
     def _load() -> None:
         faults.fire("restore-load", step)
-        with level.open_shard(step) as shard:
+        with levels.local.open_shard(step) as shard:
             leaves = leaves_of(shard.header)
             tensors = [leaf_from_bytes(leaf, shard.raw(i).copy())
                        for i, leaf in enumerate(leaves)]

@@ -3,17 +3,17 @@
 A level is a *scheme* (how redundancy is made) over a *store* (where bytes go) for a
 *failure group* (what loss it survives), used every *interval* steps (SCR's descriptor).
 
-Call order during one checkpoint of step ``s`` (DESIGN §4)::
+Call order during one checkpoint of step ``s`` (DESIGN §4); every level due at ``s`` gets::
 
     write_tentative(s, ...)   every rank, local           (phase write-local)
     encode(s)                 every rank, collective      (phase encode; redundancy levels)
-    record_commit(s)          coordinator only, durable   (phase decide)
-    commit(s) | discard(s)    every rank                  (phase commit)
+    record_commit(s, rec)     coordinator only, durable   (phase decide)
+    commit(s, rec)            every rank, on "commit"     (phase commit)
+    discard(s)                every rank, on "abort"      (phase commit)
 
-and during restore::
-
-    inventory()               every rank, local           (phase restore-discover)
-    open_shard(s)             every rank, local           (phase restore-load)
+Redundancy levels (partner, xor, rs) read the node-local shard written by ``local`` and add
+copies or parity in the same node-local step directory; at restore they report what they
+hold intact and rebuild lost shards over MPI (see :mod:`ftkit.recovery.rebuild`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
-from ftkit.storage.shard import Shard
 
 
 class Level(abc.ABC):
@@ -31,7 +30,6 @@ class Level(abc.ABC):
 
     name: str = ""
 
-    @abc.abstractmethod
     def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
                         leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> None:
         """Store this rank's shard of ``step`` as tentative. Local call on every rank."""
@@ -39,22 +37,12 @@ class Level(abc.ABC):
     def encode(self, step: int) -> None:
         """Build redundancy for ``step``. Collective over the level's communicator."""
 
-    @abc.abstractmethod
     def record_commit(self, step: int, record: dict[str, Any]) -> None:
         """Durably record the coordinator's commit decision. Coordinator only."""
 
-    @abc.abstractmethod
     def commit(self, step: int, record: dict[str, Any]) -> None:
-        """Make ``step`` permanent. Every rank (the node leader writes the node's record)."""
+        """Make ``step`` permanent. Every rank."""
 
     @abc.abstractmethod
     def discard(self, step: int) -> None:
-        """Drop this rank's tentative data of ``step``. Every rank."""
-
-    @abc.abstractmethod
-    def inventory(self) -> dict[int, dict[str, Any]]:
-        """``{step: {"committed": bool, "have": bool}}`` as seen from this rank. Local."""
-
-    @abc.abstractmethod
-    def open_shard(self, step: int) -> Shard:
-        """Open and validate this rank's shard of ``step`` (CorruptCheckpointError). Local."""
+        """Drop this rank's tentative data of ``step`` (never a committed one). Every rank."""

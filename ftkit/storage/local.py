@@ -89,6 +89,10 @@ class LocalLevel(Level):
     def shard_path(self, step: int, rank: int | None = None) -> Path:
         return self.step_dir(step) / f"rank-{self.rank if rank is None else rank}.ftk"
 
+    def ensure_step_dir(self, step: int) -> Path:
+        make_private_dir(self.step_dir(step))
+        return self.step_dir(step)
+
     def steps(self) -> list[int]:
         """Steps with a directory on this node, ascending."""
         try:
@@ -125,12 +129,18 @@ class LocalLevel(Level):
         if not self.is_committed(step):      # never touch a permanent version
             self.shard_path(step).unlink(missing_ok=True)
 
+    def record_info(self, step: int) -> dict[str, Any]:
+        """``{"w": world size, "levels": [...]}`` from the node's commit record of ``step``
+        (``w`` None when absent or unreadable)."""
+        try:
+            rec = json.loads((self.step_dir(step) / COMMITTED).read_text())
+            return {"w": int(rec["world"]), "levels": list(rec.get("levels", ["local"]))}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {"w": None, "levels": []}
+
     def record_world(self, step: int) -> int | None:
         """World size in the node's commit record of ``step`` (None if absent/unreadable)."""
-        try:
-            return int(json.loads((self.step_dir(step) / COMMITTED).read_text())["world"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return self.record_info(step)["w"]
 
     def is_committed(self, step: int) -> bool:
         return (self.step_dir(step) / COMMITTED).is_file()

@@ -93,6 +93,22 @@ def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[Tensor
     return pos
 
 
+def write_bytes_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, memoryview(data).cast("B"))
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def _write_all(fd: int, data: Any) -> int:
     view = memoryview(data)
     done = 0

@@ -91,9 +91,9 @@ def test_toml_explicit_path_argument(tmp_path: Path) -> None:
 
 def test_env_overrides_toml(tmp_path: Path) -> None:
     _toml(tmp_path / "ftkit.toml", '[ftkit]\ntimeout = 7\nlevels = "local:2"\njob = "t"\n')
-    cfg = Config.load(env={"FTKIT_TIMEOUT": "9.5", "FTKIT_LEVELS": "local:3,pfs:10"})
+    cfg = Config.load(env={"FTKIT_TIMEOUT": "9.5", "FTKIT_LEVELS": "local:3,pfs:9"})
     assert cfg.timeout == 9.5
-    assert cfg.levels == (("local", 3), ("pfs", 10))
+    assert cfg.levels == (("local", 3), ("pfs", 9))
     assert cfg.job == "t"            # from toml, not overridden
 
 
@@ -106,7 +106,7 @@ def test_kwargs_override_env_and_toml(tmp_path: Path) -> None:
     assert cfg.async_ is False
     assert cfg.xor_set == 5          # env beats toml when no kwarg is given
     assert Config.load(env=env, async_=False).async_ is False
-    assert Config.load(env=env, levels="xor:2").levels == (("xor", 2),)
+    assert Config.load(env=env, levels="local:1,xor:2").levels == (("local", 1), ("xor", 2))
 
 
 def test_kwargs_unknown_option() -> None:
@@ -256,9 +256,22 @@ def test_levels_due() -> None:
     assert cfg.levels_due(50) == ("local", "partner", "pfs")
     assert cfg.levels_due(150) == ("local", "partner", "xor", "pfs")
     assert cfg.levels_due(7) == ("local",)
-    sparse = Config.load(env={"FTKIT_LEVELS": "pfs:10"})
-    assert sparse.levels_due(5) == ()
-    assert sparse.levels_due(20) == ("pfs",)
+    sparse = Config.load(env={"FTKIT_LEVELS": "local:5,pfs:10"})
+    assert sparse.levels_due(4) == ()
+    assert sparse.levels_due(5) == ("local",)
+    assert sparse.levels_due(20) == ("local", "pfs")
+
+
+@pytest.mark.parametrize("levels,needle", [
+    ("xor:2", "needs the 'local' level"),
+    ("partner:1", "needs the 'local' level"),
+    ("local:2,partner:3", "must be a multiple of the interval of 'local'"),
+    ("local:3,pfs:10", "must be a multiple of the interval of 'local'"),
+])
+def test_redundancy_schedule_must_follow_local(levels: str, needle: str) -> None:
+    """Redundancy levels encode the node-local shard, so local is due whenever they are."""
+    with pytest.raises(ConfigError, match=needle):
+        Config.load(env={"FTKIT_LEVELS": levels})
 
 
 def test_interval() -> None:

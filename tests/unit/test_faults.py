@@ -57,7 +57,6 @@ def test_corrupt_defaults_to_local_level() -> None:
     ("kill:step=1.5", "step"),                        # non-int step
     ("exit:code=x", "code"),                          # non-int code
     ("kill:attempt=a", "attempt"),                    # non-int attempt
-    ("corrupt:rank=1:level=partner", "partner"),      # level not yet supported
     ("corrupt:rank=1:level=pfs", "pfs"),              # level not yet supported
     ("corrupt:rank=1:level=tape", "tape"),            # unknown level
     ("node:step=3", "node"),                          # node fault without a victim
@@ -73,7 +72,7 @@ def test_bad_specs_raise_config_error(spec: str, needle: str) -> None:
 
 def test_not_yet_supported_level_says_so() -> None:
     with pytest.raises(ConfigError, match="not yet supported"):
-        parse_faults("corrupt:rank=1:level=xor")
+        parse_faults("corrupt:rank=1:level=pfs")
 
 
 def test_faults_constructor_validates() -> None:

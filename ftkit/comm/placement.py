@@ -1,0 +1,98 @@
+"""Where redundancy goes: partner pairs and erasure sets on *different* nodes (SCR's rule).
+
+Pure functions of the rank -> node map and the (tp, pp) coordinates, shared by
+:class:`~ftkit.comm.topology.Topology`, the storage levels and ``ftkit advise``.
+
+Preference: ranks that hold the same (tp, pp) shard (DP replicas) form the groups when every
+such group spans enough distinct nodes; otherwise SCR's layout is used: the ranks with the same
+node-local index on consecutive nodes.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ftkit.errors import ConfigError
+
+
+def _columns(rank_node: Sequence[int]) -> list[list[int]]:
+    """SCR layout: column j = the j-th rank of every node, nodes in ascending order."""
+    nodes = sorted(set(rank_node))
+    members = {n: [r for r, m in enumerate(rank_node) if m == n] for n in nodes}
+    width = max(len(v) for v in members.values())
+    return [[members[n][j] for n in nodes if j < len(members[n])] for j in range(width)]
+
+
+def _replica_groups(rank_node: Sequence[int], shard_of: Sequence[tuple[int, int]] | None,
+                    size: int) -> list[list[int]] | None:
+    """Groups of ranks holding the same (tp, pp) shard, if each spans >= size distinct
+    nodes with one rank per node; None otherwise."""
+    if shard_of is None:
+        return None
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, key in enumerate(shard_of):
+        groups.setdefault(tuple(key), []).append(rank)  # type: ignore[arg-type]
+    out = []
+    for ranks in groups.values():
+        nodes = [rank_node[r] for r in ranks]
+        if len(set(nodes)) != len(nodes) or len(nodes) < size:
+            return None
+        out.append(sorted(ranks, key=lambda r: (rank_node[r], r)))
+    return sorted(out)
+
+
+def partner_map(rank_node: Sequence[int],
+                shard_of: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """``partners[r]`` is the rank whose node stores rank r's copy; always another node.
+
+    Within each group (DP replicas, or SCR columns) rank i's copy goes to member i+1 (ring).
+    Raises ConfigError when there is only one node.
+    """
+    nodes = sorted(set(rank_node))
+    if len(nodes) < 2:
+        raise ConfigError(f"a partner on a different node is impossible: all {len(rank_node)} "
+                          f"ranks are on 1 node (set FTKIT_RANKS_PER_NODE or use >= 2 nodes)")
+    groups = _replica_groups(rank_node, shard_of, 2) or _columns(rank_node)
+    partners = [-1] * len(rank_node)
+    for group in groups:
+        if len(group) == 1:   # a lone rank (uneven nodes): ring over the next node's ranks
+            rank = group[0]
+            nxt = nodes[(nodes.index(rank_node[rank]) + 1) % len(nodes)]
+            partners[rank] = min(r for r, n in enumerate(rank_node) if n == nxt)
+            continue
+        for i, rank in enumerate(group):
+            partners[rank] = group[(i + 1) % len(group)]
+    return partners
+
+
+def erasure_sets(rank_node: Sequence[int], size: int, *, minimum: int = 2,
+                 shard_of: Sequence[tuple[int, int]] | None = None,
+                 what: str = "erasure") -> list[list[int]]:
+    """Split ranks into sets of ``size`` members on distinct nodes (the last set of a group
+    absorbs a remainder smaller than ``minimum``). Raises ConfigError when the node count
+    cannot support the set size."""
+    nodes = sorted(set(rank_node))
+    if len(nodes) < size:
+        raise ConfigError(f"{what} set size {size} needs ranks on at least {size} nodes; this "
+                          f"job has {len(rank_node)} ranks on {len(nodes)} node(s)")
+    groups = _replica_groups(rank_node, shard_of, size) or _columns(rank_node)
+    sets: list[list[int]] = []
+    for group in groups:
+        chunks = [group[i:i + size] for i in range(0, len(group), size)]
+        if len(chunks) > 1 and len(chunks[-1]) < minimum:
+            chunks[-2].extend(chunks.pop())
+        if len(chunks[-1]) < minimum:
+            raise ConfigError(f"{what} set of ranks {chunks[-1]} has fewer than {minimum} "
+                              f"members on distinct nodes ({len(nodes)} nodes)")
+        sets.extend(chunks)
+    for s in sets:
+        if len({rank_node[r] for r in s}) != len(s):
+            raise ConfigError(f"{what} set {s} would hold two ranks of one node")
+    return sets
+
+
+def set_of(sets: Sequence[Sequence[int]], rank: int) -> tuple[int, int]:
+    """(set id, index in set) of ``rank``."""
+    for sid, members in enumerate(sets):
+        if rank in members:
+            return sid, list(members).index(rank)
+    raise KeyError(rank)

@@ -1,0 +1,73 @@
+"""Execute a recovery :class:`~ftkit.recovery.plan.Plan`: rebuild lost shards over MPI, verify
+them, then re-encode the step's redundancy so the next failure is covered too.
+
+Every function here is a collective over the whole job: all ranks call it with the same plan.
+Failures anywhere become the same CheckpointError on every rank.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ftkit.comm.dist import DistComm
+from ftkit.errors import CorruptCheckpointError
+from ftkit.recovery.plan import Plan, Report, parity_ok
+from ftkit.storage.levels import Levels
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+
+
+def execute(dc: DistComm, levels: Levels, faults: Faults, plan: Plan,
+            reports: Sequence[Report], step_levels: Sequence[str]) -> None:
+    """Rebuild, verify, re-encode. All ranks call."""
+    step = plan.step
+
+    def _rebuild() -> None:
+        faults.fire("restore-rebuild", step)
+        if levels.partner is not None and "partner" in step_levels:
+            levels.partner.rebuild(step, plan.from_partner)
+    dc.run(_rebuild, "restore-rebuild", step)
+    dc.run(lambda: _erasure(levels, plan, reports), "restore-rebuild", step)
+    dc.run(lambda: _verify(levels, plan, dc.size), "restore-rebuild", step)
+    for level in levels.redundancy(tuple(step_levels)):
+        dc.run(lambda lv=level: lv.encode(step), "restore-rebuild", step)  # type: ignore[misc]
+
+
+def _erasure(levels: Levels, plan: Plan, reports: Sequence[Report]) -> None:
+    have = {r for r in range(len(reports)) if r not in plan.lost} | set(plan.from_partner)
+    for name, per_set in plan.erasure.items():
+        level = levels.erasure[name]
+        members = levels.sets[name][level.set_id]
+        if level.set_id in per_set:
+            lost = per_set[level.set_id]
+            header = next(reports[r][name] for r in members if parity_ok(reports[r], name))
+            level.rebuild(plan.step, lost, [r in have for r in members],
+                          [parity_ok(reports[r], name) for r in members], header)
+        for sid, lost in per_set.items():
+            have |= {levels.sets[name][sid][i] for i in lost}
+
+
+def _verify(levels: Levels, plan: Plan, world: int) -> None:
+    if levels.local.rank not in plan.lost:
+        return
+    with levels.local.open_shard(plan.step) as shard:
+        shard.check_identity(rank=levels.local.rank, step=plan.step, world=world)
+        shard.verify()
+
+
+def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[str]) -> Report:
+    """What this rank holds intact for ``step`` (own shard, partner copies, parity). Local."""
+    report: Report = {"own": None}
+    try:
+        with levels.local.open_shard(step) as shard:
+            shard.check_identity(rank=levels.local.rank, step=step, world=world)
+            shard.verify()
+    except CorruptCheckpointError as exc:
+        report["own"] = str(exc)
+    if levels.partner is not None and "partner" in step_levels:
+        report["partner"] = {str(q): why for q, why in levels.partner.held(step, world).items()}
+    for name, level in levels.erasure.items():
+        if name in step_levels:
+            report[name] = level.held(step)
+    return report

@@ -1,0 +1,202 @@
+"""XOR and Reed–Solomon levels: parity of an erasure set, spread over its members.
+
+Layout and code: :mod:`ftkit.storage.stripes`. Encoding and decoding are the same MPI pattern:
+for every parity (or lost) segment, each member contributes its GF(256)-scaled segment (or
+zeros) to an ``Ireduce(op=BXOR)`` rooted at the member that keeps the result. XOR sends views
+of the mapped shard (no copy); RS sends scaled copies.
+
+``step-<s>/<xor|rs>-<set>-<index>.ftk`` is written with the shard format: its ``p`` parity
+segments are checksummed tensors and its header records the set, the size and the whole-file
+checksum of every member's shard, so a rebuilt shard is verified before it is used.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ftkit.capture.flatten import TensorLeaf
+from ftkit.comm.dist import DistComm
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage import gf256
+from ftkit.storage.level import Level
+from ftkit.storage.local import LocalLevel
+from ftkit.storage.shard import ALIGN, Shard, checksum, write_bytes_atomic, write_shard
+from ftkit.storage.stripes import Layout
+from ftkit.storage.transfer import mapped
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+
+
+def segment_size(sizes: list[int], m: int) -> int:
+    longest = max(sizes) if sizes else 0
+    per = max(1, -(-longest // m))
+    return -(-per // ALIGN) * ALIGN
+
+
+def segments(data: np.ndarray, m: int, s: int) -> list[np.ndarray]:
+    """The m data segments of a shard: views, except a zero-padded copy at the tail."""
+    out = []
+    for q in range(m):
+        piece = data[q * s:(q + 1) * s]
+        if len(piece) < s:
+            padded = np.zeros(s, dtype=np.uint8)
+            padded[:len(piece)] = piece
+            piece = padded
+        out.append(piece)
+    return out
+
+
+class ErasureLevel(Level):
+    """One rank's membership in one erasure set (``xor``: p = 1, ``rs``: p >= 1)."""
+
+    def __init__(self, name: str, local: LocalLevel, sdc: DistComm, set_id: int,
+                 members: list[int], parity: int, faults: Faults) -> None:
+        self.name = name
+        self.local, self.sdc = local, sdc      # sdc: communicator of this set only
+        self.set_id, self.members = set_id, members
+        self.index = sdc.rank
+        self.layout = Layout(len(members), parity)
+        self.faults = faults
+
+    def parity_path(self, step: int) -> Path:
+        return self.local.step_dir(step) / f"{self.name}-{self.set_id}-{self.index}.ftk"
+
+    # ------------------------------------------------------------------ encode
+    def encode(self, step: int) -> None:
+        """Compute and store this member's parity segments. Collective over the set."""
+        with mapped(self.local.shard_path(step)) as data:
+            info = self.sdc.allgather({"size": len(data), "checksum": checksum(data)},
+                                      "encode", step)
+            sizes = [i["size"] for i in info]
+            s = segment_size(sizes, self.layout.m)
+            parity = self._reduce_parity(segments(data, self.layout.m, s), s, step)
+        meta = {"job": self.local.root.parent.name, "step": step, "rank": self.local.rank,
+                "world": -1, "level": self.name, "set": self.set_id, "members": self.members,
+                "index": self.index, "k": self.layout.k, "p": self.layout.p, "seg": s,
+                "sizes": sizes, "checksums": [i["checksum"] for i in info]}
+        leaves = [TensorLeaf(f"parity/{j}", "numpy", "|u1", (s,), s)
+                  for j in range(self.layout.p)]
+        write_shard(self.parity_path(step), meta, None, leaves, parity)
+        self.faults.after_write(self.parity_path(step), level=self.name, step=step)
+
+    def _reduce_parity(self, segs: list[np.ndarray], s: int, step: int) -> list[np.ndarray]:
+        lay, me = self.layout, self.index
+        parity = [np.zeros(s, dtype=np.uint8) for _ in range(lay.p)]
+        zeros = np.zeros(s, dtype=np.uint8)
+        reqs, keep = [], []
+        for t in range(lay.k):
+            data_members = lay.data_members(t)
+            for j, holder in enumerate(lay.holders(t)):
+                send = zeros
+                if me in data_members:
+                    c = lay.coef[j][data_members.index(me)]
+                    seg = segs[lay.seg_index(me, t)]
+                    send = seg if c == 1 else gf256.scale_into(np.empty(s, np.uint8), c, seg)
+                recv = [parity[lay.parity_slot(me, t)], MPI.BYTE] if holder == me else None
+                reqs.append(self.sdc.comm.Ireduce([send, MPI.BYTE], recv, op=MPI.BXOR,
+                                                  root=holder))
+                keep.append(send)
+        self.sdc.waitall(reqs, "encode", step)
+        return parity
+
+    def discard(self, step: int) -> None:
+        if not self.local.is_committed(step):
+            self.parity_path(step).unlink(missing_ok=True)
+
+    # ----------------------------------------------------------------- restore
+    def held(self, step: int) -> dict[str, Any] | None:
+        """This member's parity file of ``step``: its header if intact, an error string if
+        damaged, None if absent. Local."""
+        path = self.parity_path(step)
+        if not path.exists():
+            return None
+        try:
+            with Shard.open(path, rank=self.local.rank, step=step, level=self.name) as shard:
+                shard.verify(level=self.name)
+                h = shard.header
+                if (h.get("set"), h.get("index"), h.get("members")) != (
+                        self.set_id, self.index, self.members):
+                    raise CorruptCheckpointError(str(path), "parity of another erasure set",
+                                                 rank=self.local.rank, step=step,
+                                                 level=self.name)
+                return {k: h[k] for k in ("seg", "sizes", "checksums")}
+        except CorruptCheckpointError as exc:
+            log.warning("%s parity unusable: %s", self.name, exc)
+            return {"error": str(exc)}
+
+    def rebuild(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
+                header: dict[str, Any]) -> None:
+        """Rebuild the shards of set members ``lost`` (set indices). Every member of the set
+        calls with the same arguments; a lost member writes and verifies its shard."""
+        me, s = self.index, int(header["seg"])
+        with contextlib.ExitStack() as stack:
+            mine = self._my_segments(stack, step, data_ok[me], parity_ok[me], s)
+            out = self._decode(step, lost, data_ok, parity_ok, mine, s)
+        if me in lost:
+            self._write_rebuilt(step, out, int(header["sizes"][me]), header["checksums"][me])
+
+    def _decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
+                mine: dict[tuple[str, int], np.ndarray], s: int) -> list[np.ndarray]:
+        lay, me = self.layout, self.index
+        out = [np.zeros(s, dtype=np.uint8) for _ in range(lay.m)] if me in lost else []
+        reqs, keep = [], []
+        zeros = np.zeros(s, dtype=np.uint8)
+        for t in range(lay.k):
+            dm, hold = lay.data_members(t), lay.holders(t)
+            missing = [x for x, mem in enumerate(dm) if mem in lost]
+            if not missing:
+                continue
+            plan = lay.decode_rows(t, {x for x, mem in enumerate(dm) if data_ok[mem]},
+                                   {j for j, h in enumerate(hold) if parity_ok[h]})
+            if plan is None:
+                raise CorruptCheckpointError(str(self.parity_path(step)),
+                                             f"stripe {t} cannot be decoded", step=step,
+                                             level=self.name)
+            chosen, inv = plan
+            for x in missing:
+                send = zeros
+                for a, (kind, idx) in enumerate(chosen):
+                    owner = dm[idx] if kind == "d" else hold[idx]
+                    if owner == me:
+                        seg = mine[("d", lay.seg_index(me, t)) if kind == "d" else
+                                   ("p", lay.parity_slot(me, t))]
+                        c = inv[x][a]
+                        send = seg if c == 1 else gf256.scale_into(np.empty(s, np.uint8), c,
+                                                                   seg)
+                target = dm[x]
+                recv = [out[lay.seg_index(me, t)], MPI.BYTE] if target == me else None
+                reqs.append(self.sdc.comm.Ireduce([send, MPI.BYTE], recv, op=MPI.BXOR,
+                                                  root=target))
+                keep.append(send)
+        self.sdc.waitall(reqs, "restore-rebuild", step)
+        return out
+
+    def _my_segments(self, stack: contextlib.ExitStack, step: int, data_ok: bool,
+                     parity_ok: bool, s: int) -> dict[tuple[str, int], np.ndarray]:
+        """Views of my intact data and parity segments (maps live as long as ``stack``)."""
+        out: dict[tuple[str, int], np.ndarray] = {}
+        if data_ok:
+            data = stack.enter_context(mapped(self.local.shard_path(step)))
+            for q, seg in enumerate(segments(data, self.layout.m, s)):
+                out[("d", q)] = seg
+        if parity_ok:
+            shard = stack.enter_context(Shard.open(self.parity_path(step)))
+            for j in range(self.layout.p):
+                out[("p", j)] = shard.raw(j)
+        return out
+
+    def _write_rebuilt(self, step: int, segs: list[np.ndarray], size: int, want: str) -> None:
+        data = np.concatenate(segs)[:size] if segs else np.empty(0, np.uint8)
+        path = self.local.shard_path(step)
+        if checksum(data) != want:
+            raise CorruptCheckpointError(str(path), f"shard rebuilt from {self.name} parity "
+                                         f"does not match its recorded checksum",
+                                         rank=self.local.rank, step=step, level=self.name)
+        self.local.ensure_step_dir(step)
+        write_bytes_atomic(path, data)

@@ -1,0 +1,77 @@
+"""Partner level: a copy of every rank's shard on another node.
+
+``step-<s>/partner-<r>.ftk`` on node B is a byte copy of rank r's ``rank-<r>.ftk`` (r lives on
+node A != B), streamed over MPI by :func:`~ftkit.storage.transfer.exchange`. The copy is
+self-checking (header checksum + one checksum per tensor): a corrupted copy is never used.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ftkit.comm.dist import DistComm
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage.level import Level
+from ftkit.storage.local import LocalLevel
+from ftkit.storage.shard import Shard
+from ftkit.storage.transfer import exchange
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+
+
+class PartnerLevel(Level):
+    """Rank-side partner level. ``partners[r]`` holds rank r's copy."""
+
+    name = "partner"
+
+    def __init__(self, local: LocalLevel, dc: DistComm, partners: list[int],
+                 faults: Faults) -> None:
+        self.local = local
+        self.dc = dc                     # a communicator of its own (tags never collide)
+        self.partners = partners
+        self.rank = dc.rank
+        self.sources = [q for q, p in enumerate(partners) if p == self.rank]
+        self.faults = faults
+
+    def copy_path(self, step: int, source: int) -> Path:
+        return self.local.step_dir(step) / f"partner-{source}.ftk"
+
+    def encode(self, step: int) -> None:
+        """Send my shard to my partner, receive the shards I hold. Collective over dc."""
+        exchange(self.dc, [(self.local.shard_path(step), self.partners[self.rank])],
+                 [(self.copy_path(step, q), q) for q in self.sources], "encode", step)
+        for q in self.sources:
+            self.faults.after_write(self.copy_path(step, q), level=self.name, step=step)
+
+    def discard(self, step: int) -> None:
+        if not self.local.is_committed(step):
+            for q in self.sources:
+                self.copy_path(step, q).unlink(missing_ok=True)
+
+    def held(self, step: int, world: int) -> dict[int, str | None]:
+        """``{source rank: None if my copy of its shard is intact, else why}``. Local."""
+        out: dict[int, str | None] = {}
+        for q in self.sources:
+            path = self.copy_path(step, q)
+            if not path.exists():
+                continue
+            try:
+                with Shard.open(path, rank=q, step=step, level=self.name) as shard:
+                    shard.check_identity(rank=q, step=step, world=world, level=self.name)
+                    shard.verify(level=self.name)
+                out[q] = None
+            except CorruptCheckpointError as exc:
+                log.warning("partner copy unusable: %s", exc)
+                out[q] = str(exc)
+        return out
+
+    def rebuild(self, step: int, lost: list[int]) -> None:
+        """Send the copies I hold of ``lost`` ranks to them; lost ranks receive their shard.
+        Every rank in ``lost`` and every holder of their copies calls."""
+        sends = [(self.copy_path(step, q), q) for q in self.sources if q in lost]
+        if self.rank in lost:
+            self.local.ensure_step_dir(step)
+        recvs = [(self.local.shard_path(step), self.partners[self.rank])] \
+            if self.rank in lost else []
+        exchange(self.dc, sends, recvs, "restore-rebuild", step)
