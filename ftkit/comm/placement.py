@@ -71,23 +71,61 @@ def erasure_sets(rank_node: Sequence[int], size: int, *, minimum: int = 2,
     absorbs a remainder smaller than ``minimum``). Raises ConfigError when the node count
     cannot support the set size."""
     nodes = sorted(set(rank_node))
+    if minimum > size:
+        raise ConfigError(f"{what} set size {size} is smaller than its minimum {minimum}")
     if len(nodes) < size:
         raise ConfigError(f"{what} set size {size} needs ranks on at least {size} nodes; this "
                           f"job has {len(rank_node)} ranks on {len(nodes)} node(s)")
     groups = _replica_groups(rank_node, shard_of, size) or _columns(rank_node)
     sets: list[list[int]] = []
+    stragglers: list[int] = []
     for group in groups:
         chunks = [group[i:i + size] for i in range(0, len(group), size)]
         if len(chunks) > 1 and len(chunks[-1]) < minimum:
-            chunks[-2].extend(chunks.pop())
+            chunks[-2].extend(chunks.pop())          # a short tail joins its neighbour
         if len(chunks[-1]) < minimum:
-            raise ConfigError(f"{what} set of ranks {chunks[-1]} has fewer than {minimum} "
-                              f"members on distinct nodes ({len(nodes)} nodes)")
+            stragglers.extend(chunks.pop())          # a whole group too small (uneven nodes)
         sets.extend(chunks)
-    for s in sets:
-        if len({rank_node[r] for r in s}) != len(s):
-            raise ConfigError(f"{what} set {s} would hold two ranks of one node")
-    return sets
+    _place(stragglers, sets, rank_node, size, minimum, what)
+    return [sorted(s, key=lambda r: (rank_node[r], r)) for s in sets]
+
+
+def _place(pool: list[int], sets: list[list[int]], rank_node: Sequence[int], size: int,
+           minimum: int, what: str) -> None:
+    """Put leftover ranks of uneven nodes into sets, keeping every set on distinct nodes:
+    form new sets from them (borrowing members of sets larger than ``minimum`` if needed),
+    else let each join the smallest set without its node."""
+    def nodes_of(members: list[int]) -> set[int]:
+        return {rank_node[r] for r in members}
+    while pool:
+        new: list[int] = []
+        for r in pool:
+            if len(new) < size and rank_node[r] not in nodes_of(new):
+                new.append(r)
+        while len(new) < minimum:
+            donors = [d for d in sets if len(d) > minimum
+                      and any(rank_node[x] not in nodes_of(new) for x in d)]
+            if not donors:
+                break
+            donor = max(donors, key=len)
+            x = next(x for x in reversed(donor) if rank_node[x] not in nodes_of(new))
+            donor.remove(x)
+            new.append(x)
+        if len(new) >= minimum:
+            sets.append(new)
+            pool = [r for r in pool if r not in new]
+            continue
+        for x in new:                       # give borrowed members back, then join
+            if x not in pool:
+                min((d for d in sets if rank_node[x] not in nodes_of(d)), key=len).append(x)
+        for r in pool:
+            fits = [d for d in sets if rank_node[r] not in nodes_of(d)]
+            if not fits:
+                raise ConfigError(
+                    f"{what} sets need ranks on distinct nodes: rank {r} fits in no set of "
+                    f"size {size} (minimum {minimum}); too many ranks on node {rank_node[r]}")
+            min(fits, key=len).append(r)
+        return
 
 
 def set_of(sets: Sequence[Sequence[int]], rank: int) -> tuple[int, int]:
