@@ -1,6 +1,6 @@
 """``ftkit`` command line (DESIGN §7). Only this module configures logging.
 
-Subcommands: ``run``. Importing this module imports neither mpi4py nor torch.
+Subcommands: ``run``, ``advise``. Importing this module imports neither mpi4py nor torch.
 Exit status 2 means a usage, configuration or launch-setup error.
 """
 from __future__ import annotations
@@ -81,12 +81,62 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.set_defaults(func=_cmd_run)
 
 
+def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit advise --nodes N --mtbf-hours H [...]``."""
+    adv = sub.add_parser(
+        "advise", help="survival odds of each scheme and checkpoint intervals",
+        description="Exact probability that each scheme (local, partner, xor, rs, pfs) survives "
+                    "k simultaneous node failures, from ftkit's real placement, and the "
+                    "Young/Daly checkpoint interval of every level with a known cost.")
+    adv.add_argument("--nodes", type=_positive_int, required=True, metavar="N")
+    adv.add_argument("--mtbf-hours", type=_positive_float, required=True, metavar="H",
+                     help="mean time between failures of ONE node")
+    adv.add_argument("--ranks-per-node", type=_positive_int, default=1, metavar="K")
+    adv.add_argument("--xor-set", type=_positive_int, default=4)
+    adv.add_argument("--rs-set", type=_positive_int, default=4)
+    adv.add_argument("--rs-parity", type=_positive_int, default=2)
+    adv.add_argument("--max-failures", type=_positive_int, default=3, metavar="K")
+    adv.add_argument("--measured", metavar="BENCH.json",
+                     help="bench JSON with a 'level_costs_s' object {level: seconds}")
+    adv.add_argument("--cost", action="append", default=[], metavar="LEVEL=SECONDS",
+                     help="checkpoint cost of a level (overrides --measured)")
+    adv.add_argument("--json", action="store_true", help="machine-readable output")
+    adv.set_defaults(func=_cmd_advise)
+
+
+def _costs(args: argparse.Namespace) -> dict[str, float]:
+    import json
+    costs: dict[str, float] = {}
+    if args.measured:
+        with open(args.measured) as fh:
+            costs.update({k: float(v) for k, v in json.load(fh)["level_costs_s"].items()})
+    for item in args.cost:
+        level, _, value = item.partition("=")
+        costs[level] = float(value)
+    return costs
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    import json
+
+    from ftkit.advise import advise, render
+    try:
+        report = advise(args.nodes, args.mtbf_hours, ranks_per_node=args.ranks_per_node,
+                        xor_set=args.xor_set, rs_set=args.rs_set, rs_parity=args.rs_parity,
+                        max_failures=args.max_failures, costs=_costs(args))
+    except (OSError, KeyError, ValueError) as exc:
+        return _error("advise", exc)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ftkit`` argument parser with every registered subcommand."""
     parser = argparse.ArgumentParser(prog="ftkit", description="Fault tolerance for MPI "
                                      "training jobs: checkpoints, recovery, relaunch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
+    _add_advise_parser(sub)
     return parser
 
 

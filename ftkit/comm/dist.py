@@ -39,8 +39,13 @@ class DistComm:
         """Poll ``req`` until it completes or the deadline passes (then raise)."""
         self.waitall([req], phase, step)
 
-    def waitall(self, reqs: list[MPI.Request], phase: str, step: int | None) -> None:
-        """Poll ``reqs`` until all complete or the deadline passes (then raise)."""
+    def waitall(self, reqs: list[MPI.Request], phase: str, step: int | None, *,
+                spin: bool = False) -> None:
+        """Poll ``reqs`` until all complete or the deadline passes (then raise).
+
+        Non-blocking MPI operations progress only inside MPI calls, so bulk transfers
+        (``spin=True``) poll back to back, yielding the CPU in between; small control
+        messages back off to millisecond sleeps."""
         deadline = time.monotonic() + self.timeout
         pause = 0.0
         while reqs and not MPI.Request.Testall(reqs):
@@ -51,7 +56,8 @@ class DistComm:
                                 f"(FTKIT_TIMEOUT); a peer rank is dead or hung"},
                     message=f"timeout in phase {phase!r} of step {step}")
             time.sleep(pause)
-            pause = min(0.005, pause + 0.0002)
+            if not spin:
+                pause = min(0.005, pause + 0.0002)
 
     # -------------------------------------------------------------- collectives
     def split(self, color: int, key: int) -> DistComm:

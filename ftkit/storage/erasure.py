@@ -52,6 +52,12 @@ def segments(data: np.ndarray, m: int, s: int) -> list[np.ndarray]:
     return out
 
 
+def _words(seg: np.ndarray) -> list[object]:
+    """MPI buffer of a segment as 64-bit words: BXOR on words is ~8x faster than on bytes
+    (segments are multiples of ALIGN bytes and start at aligned offsets)."""
+    return [seg.view(np.uint64), MPI.UINT64_T]
+
+
 class ErasureLevel(Level):
     """One rank's membership in one erasure set (``xor``: p = 1, ``rs``: p >= 1)."""
 
@@ -98,11 +104,11 @@ class ErasureLevel(Level):
                     c = lay.coef[j][data_members.index(me)]
                     seg = segs[lay.seg_index(me, t)]
                     send = seg if c == 1 else gf256.scale_into(np.empty(s, np.uint8), c, seg)
-                recv = [parity[lay.parity_slot(me, t)], MPI.BYTE] if holder == me else None
-                reqs.append(self.sdc.comm.Ireduce([send, MPI.BYTE], recv, op=MPI.BXOR,
+                recv = _words(parity[lay.parity_slot(me, t)]) if holder == me else None
+                reqs.append(self.sdc.comm.Ireduce(_words(send), recv, op=MPI.BXOR,
                                                   root=holder))
                 keep.append(send)
-        self.sdc.waitall(reqs, "encode", step)
+        self.sdc.waitall(reqs, "encode", step, spin=True)
         return parity
 
     def discard(self, step: int) -> None:
@@ -170,11 +176,11 @@ class ErasureLevel(Level):
                         send = seg if c == 1 else gf256.scale_into(np.empty(s, np.uint8), c,
                                                                    seg)
                 target = dm[x]
-                recv = [out[lay.seg_index(me, t)], MPI.BYTE] if target == me else None
-                reqs.append(self.sdc.comm.Ireduce([send, MPI.BYTE], recv, op=MPI.BXOR,
+                recv = _words(out[lay.seg_index(me, t)]) if target == me else None
+                reqs.append(self.sdc.comm.Ireduce(_words(send), recv, op=MPI.BXOR,
                                                   root=target))
                 keep.append(send)
-        self.sdc.waitall(reqs, "restore-rebuild", step)
+        self.sdc.waitall(reqs, "restore-rebuild", step, spin=True)
         return out
 
     def _my_segments(self, stack: contextlib.ExitStack, step: int, data_ok: bool,

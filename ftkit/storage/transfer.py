@@ -112,7 +112,7 @@ def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path
     try:
         dc.waitall([r for x in into for r in x.reqs], phase, step)
         data = [req for x in into for req in x.post_data()]
-        dc.waitall(data + [r for x in out for r in x.reqs], phase, step)
+        dc.waitall(data + [r for x in out for r in x.reqs], phase, step, spin=True)
         for rx in into:
             rx.reqs = []
             rx.finish()

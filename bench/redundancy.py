@@ -1,0 +1,130 @@
+"""Partner / XOR / RS encode bandwidth next to MPI point-to-point bandwidth, same run.
+
+    python bench/redundancy.py [--ranks 4] [--size-mib 64] [--repeat 3] [--out bench/results]
+
+Relaunches itself under the venv's mpiexec (one virtual node per rank, so every exchange
+crosses "nodes"). Each rank's shard is a real .ftk-sized file in a private tmpfs directory.
+Prints ``name: value (ratio to X = r)`` lines and writes redundancy.json, including
+``level_costs_s`` for ``ftkit advise --measured``. Goal (DESIGN §8): partner/XOR >= 0.7x p2p.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _launch(args: argparse.Namespace) -> int:
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [str(mpiexec), "--oversubscribe", "--bind-to", "none", "-n", str(args.ranks),
+           sys.executable, "-m", "mpi4py", __file__, *sys.argv[1:], "--child"]
+    return subprocess.call(cmd, env=env, timeout=1800)
+
+
+def _timed(comm, fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    best = float("inf")
+    for _ in range(repeat):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        comm.Barrier()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _child(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+
+    from ftkit.comm.dist import DistComm
+    from ftkit.comm.placement import erasure_sets, partner_map, set_of
+    from ftkit.comm.topology import virtual_nodes
+    from ftkit.storage.erasure import ErasureLevel
+    from ftkit.storage.local import LocalLevel
+    from ftkit.storage.partner import PartnerLevel
+    from ftkit.testing.faults import Faults
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.rank, comm.size
+    nbytes = args.size_mib << 20
+    root = Path(comm.bcast(tempfile.mkdtemp(prefix="ftkit-bench-", dir="/dev/shm")
+                           if rank == 0 else None))
+    rank_node = virtual_nodes(world, 1)
+    local = LocalLevel(root / f"node-{rank}", rank=rank, node_leader=True,
+                       faults=Faults("", rank=rank, node=rank, attempt=0))
+    local.prepare()
+    local.ensure_step_dir(1)
+    local.shard_path(1).write_bytes(np.random.default_rng(rank).bytes(nbytes))
+    dc = DistComm(comm, 600.0)
+
+    partners = partner_map(rank_node)
+    src = partners.index(rank)
+    out, back = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+
+    def p2p() -> None:
+        MPI.Request.Waitall([comm.Isend([out, MPI.BYTE], partners[rank]),
+                             comm.Irecv([back, MPI.BYTE], src)])
+    results = {"p2p": _timed(comm, p2p, args.repeat)}
+    partner = PartnerLevel(local, DistComm(comm, 600.0), partners, local.faults)
+    results["partner"] = _timed(comm, lambda: partner.encode(1), args.repeat)
+    for name, size, p in (("xor", world, 1), ("rs", world, min(2, world - 1))):
+        sets = erasure_sets(rank_node, size, minimum=p + 1)
+        sid, idx = set_of(sets, rank)
+        level = ErasureLevel(name, local, dc.split(sid, idx), sid, sets[sid], p, local.faults)
+        results[name] = _timed(comm, lambda lv=level: lv.encode(1), args.repeat)
+    if rank == 0:
+        _report(args, world, nbytes, results)
+    comm.Barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, float]) -> None:
+    gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
+    lines = [f"mpi_p2p_bandwidth: {gbs['p2p']:.3f} GB/s (each rank sends and receives "
+             f"{args.size_mib} MiB)"]
+    ratios = {}
+    for name in ("partner", "xor", "rs"):
+        ratios[name] = gbs[name] / gbs["p2p"]
+        lines.append(f"{name}_encode_bandwidth: {gbs[name]:.3f} GB/s of shard per rank "
+                     f"(ratio to mpi_p2p_bandwidth = {ratios[name]:.2f}; goal >= 0.7)")
+    print("\n".join(lines), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": "python bench/redundancy.py " + " ".join(a for a in sys.argv[1:]
+                                                            if a != "--child"),
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
+                    "ranks": world, "note": "oversubscribed when ranks > cores"},
+        "shard_bytes_per_rank": nbytes, "seconds": t, "gb_per_s": gbs,
+        "ratio_to_p2p": ratios, "goal_ratio": 0.7,
+        "level_costs_s": {k: t[k] for k in ("partner", "xor", "rs")},
+    }
+    (out / "redundancy.json").write_text(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--size-mib", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args)
+    else:
+        sys.exit(_launch(args))
+
+
+if __name__ == "__main__":
+    main()
