@@ -50,14 +50,18 @@ class DistComm:
         pause = 0.0
         while reqs and not MPI.Request.Testall(reqs):
             if time.monotonic() > deadline:
-                raise ProtocolTimeout(
-                    step if step is not None else -1,
-                    {self.rank: f"phase {phase!r} did not complete within {self.timeout:g} s "
-                                f"(FTKIT_TIMEOUT); a peer rank is dead or hung"},
-                    message=f"timeout in phase {phase!r} of step {step}")
+                raise self.timeout_error(phase, step)
             time.sleep(pause)
             if not spin:
                 pause = min(0.005, pause + 0.0002)
+
+    def timeout_error(self, phase: str, step: int | None) -> ProtocolTimeout:
+        """The error of a phase that missed its deadline on this rank."""
+        return ProtocolTimeout(
+            step if step is not None else -1,
+            {self.rank: f"phase {phase!r} did not complete within {self.timeout:g} s "
+                        f"(FTKIT_TIMEOUT); a peer rank is dead or hung"},
+            message=f"timeout in phase {phase!r} of step {step}")
 
     # -------------------------------------------------------------- collectives
     def split(self, color: int, key: int) -> DistComm:

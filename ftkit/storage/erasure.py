@@ -25,7 +25,7 @@ from ftkit.errors import CorruptCheckpointError
 from ftkit.storage import gf256
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
-from ftkit.storage.shard import ALIGN, Shard, checksum, write_bytes_atomic, write_shard
+from ftkit.storage.shard import ALIGN, Shard, checksum, write_atomic, write_shard
 from ftkit.storage.stripes import Layout
 from ftkit.storage.transfer import mapped
 from ftkit.testing.faults import Faults
@@ -92,24 +92,46 @@ class ErasureLevel(Level):
         self.faults.after_write(self.parity_path(step), level=self.name, step=step)
 
     def _reduce_parity(self, segs: list[np.ndarray], s: int, step: int) -> list[np.ndarray]:
-        lay, me = self.layout, self.index
-        parity = [np.zeros(s, dtype=np.uint8) for _ in range(lay.p)]
-        zeros = np.zeros(s, dtype=np.uint8)
-        reqs, keep = [], []
-        for t in range(lay.k):
-            data_members = lay.data_members(t)
-            for j, holder in enumerate(lay.holders(t)):
-                send = zeros
-                if me in data_members:
-                    c = lay.coef[j][data_members.index(me)]
-                    seg = segs[lay.seg_index(me, t)]
-                    send = seg if c == 1 else gf256.scale_into(np.empty(s, np.uint8), c, seg)
-                recv = _words(parity[lay.parity_slot(me, t)]) if holder == me else None
-                reqs.append(self.sdc.comm.Ireduce(_words(send), recv, op=MPI.BXOR,
-                                                  root=holder))
-                keep.append(send)
-        self.sdc.waitall(reqs, "encode", step, spin=True)
+        """Ring reduce-scatter (SCR's XOR pattern), one pass per parity index j: the partial
+        sum of stripe t's parity j starts at its holder's successor, gathers every member's
+        contribution around the ring and arrives at the holder after k - 1 hops. Each rank
+        sends and receives p (k - 1) segments of s bytes; XOR runs on 64-bit words."""
+        lay, me, k = self.layout, self.index, self.layout.k
+        comm, nxt, prv = self.sdc.comm, (me + 1) % k, (me - 1) % k
+        parity: list[np.ndarray] = [np.empty(0, np.uint8)] * lay.p
+        scratch = np.empty(s, dtype=np.uint8) if lay.p > 1 else None
+        for j in range(lay.p):
+            acc, inbox = np.zeros(s, dtype=np.uint8), np.empty(s, dtype=np.uint8)
+            for hop in range(1, k):
+                mine = self._contribution((me - hop - j) % k, j, segs, scratch)
+                if hop == 1:
+                    send = mine if mine is not None else acc
+                else:
+                    send = acc
+                    if mine is None:
+                        np.copyto(acc, inbox)
+                    else:
+                        np.bitwise_xor(inbox.view(np.uint64), mine.view(np.uint64),
+                                       out=acc.view(np.uint64))
+                self.sdc.waitall([comm.Isend(_words(send), nxt, tag=100 + j),
+                                  comm.Irecv(_words(inbox), prv, tag=100 + j)],
+                                 "encode", step, spin=True)
+            parity[lay.parity_slot(me, (me - j) % k)] = inbox
         return parity
+
+    def _contribution(self, t: int, j: int, segs: list[np.ndarray],
+                      scratch: np.ndarray | None) -> np.ndarray | None:
+        """This member's term of parity j of stripe t (None when it adds nothing)."""
+        lay, me = self.layout, self.index
+        dm = lay.data_members(t)
+        if me not in dm:
+            return None
+        seg = segs[lay.seg_index(me, t)]
+        c = lay.coef[j][dm.index(me)]
+        if c == 1:
+            return seg
+        assert scratch is not None
+        return gf256.scale_into(scratch, c, seg)
 
     def discard(self, step: int) -> None:
         if not self.local.is_committed(step):
@@ -205,4 +227,4 @@ class ErasureLevel(Level):
                                          f"does not match its recorded checksum",
                                          rank=self.local.rank, step=step, level=self.name)
         self.local.ensure_step_dir(step)
-        write_bytes_atomic(path, data)
+        write_atomic(path, [data])

@@ -23,7 +23,7 @@ import numpy as np
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ftkit.storage.level import Level
-from ftkit.storage.shard import Shard, fsync_dir, write_shard
+from ftkit.storage.shard import Shard, write_atomic, write_shard
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -51,17 +51,7 @@ def make_private_dir(path: Path) -> None:
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """Durably write a small JSON record (temp file, fsync, rename, fsync dir)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
-            json.dump(record, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_atomic(path, [json.dumps(record).encode()])
 
 
 class LocalLevel(Level):

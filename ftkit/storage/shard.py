@@ -21,7 +21,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -74,31 +74,26 @@ def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[Tensor
                 buffers: list[np.ndarray]) -> int:
     """Atomically write a shard to ``path`` (temp file, fsync, rename). Returns its size."""
     head, offsets = build_header(meta, tree, leaves, buffers)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        pos = _write_all(fd, _PREAMBLE.pack(MAGIC, VERSION, len(head),
-                                            xxhash.xxh3_64_intdigest(head)) + head)
+    start = _PREAMBLE.pack(MAGIC, VERSION, len(head), xxhash.xxh3_64_intdigest(head)) + head
+
+    def pieces() -> Iterator[Any]:
+        pos = len(start)
+        yield start
         for off, buf in zip(offsets, buffers):
-            pos += _write_all(fd, bytes(off - pos))
-            pos += _write_all(fd, memoryview(buf).cast("B"))  # type: ignore[arg-type]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return pos
+            yield bytes(off - pos)
+            yield memoryview(buf).cast("B")  # type: ignore[arg-type]
+            pos = off + buf.nbytes
+    return write_atomic(path, pieces())
 
 
-def write_bytes_atomic(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, fsync dir)."""
+def write_atomic(path: Path, pieces: Iterable[Any]) -> int:
+    """Write ``pieces`` (buffers) to ``path`` atomically: a private temp file in the same
+    directory, fsync, rename, fsync of the directory. Returns the bytes written; on error
+    the temp file is removed and ``path`` is untouched."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        _write_all(fd, memoryview(data).cast("B"))
+        size = sum(_write_all(fd, piece) for piece in pieces)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -107,6 +102,7 @@ def write_bytes_atomic(path: Path, data: Any) -> None:
     os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+    return size
 
 
 def _write_all(fd: int, data: Any) -> int:

@@ -1,14 +1,15 @@
 """Move whole files between ranks over MPI without staging them in Python memory.
 
-The sender maps its file read-only and posts ``Isend`` of views; the receiver creates the
-destination (temp name), sizes it, maps it writable and posts ``Irecv`` straight into the
-map; then fsync and an atomic rename. Messages are cut into chunks of at most CHUNK bytes.
+The sender maps its file read-only and posts ``Isend`` of views (no copy); the receiver
+takes chunks into two reused buffers and writes each while the next one arrives; then fsync
+and an atomic rename. Messages are cut into chunks of at most CHUNK bytes.
 """
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +17,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ftkit.comm.dist import DistComm
-from ftkit.storage.shard import fsync_dir
+from ftkit.storage.shard import _write_all, fsync_dir
 
-CHUNK = 256 << 20
+CHUNK = 8 << 20
 TAG_SIZE, TAG_DATA = 7301, 7302
 
 
@@ -30,7 +31,9 @@ def mapped(path: Path) -> Iterator[np.ndarray]:
         if size == 0:
             yield np.empty(0, dtype=np.uint8)
             return
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        # MAP_POPULATE: fault the whole file in at once instead of a page at a time
+        mm = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                       prot=mmap.PROT_READ)
         view = np.frombuffer(mm, dtype=np.uint8)
         try:
             yield view
@@ -59,7 +62,9 @@ class FileSend:
 
 
 class FileRecv:
-    """Receive one file from ``source`` into ``path`` (two steps: size, then data)."""
+    """Receive one file from ``source`` into ``path``: the size first, then chunks into two
+    reused buffers (one receiving while the other is written), then fsync and rename.
+    Writing through ``write(2)`` avoids a page fault per page of a freshly mapped file."""
 
     def __init__(self, comm: MPI.Comm, path: Path, source: int) -> None:
         self.comm, self.path, self.source = comm, path, source
@@ -67,28 +72,43 @@ class FileRecv:
         self.size = np.zeros(1, dtype=np.int64)
         self.reqs = [comm.Irecv([self.size, MPI.INT64_T], source, TAG_SIZE)]
         self._fd: int | None = None
-        self._mm: mmap.mmap | None = None
+        self._bufs: list[np.ndarray] = []
+        self._next = 0            # offset of the next chunk to post
+        self._pending: tuple[MPI.Request, np.ndarray] | None = None
+        self.done = False
 
-    def post_data(self) -> list[MPI.Request]:
-        """After the size arrived: map the destination and post the data receives."""
+    def start(self) -> None:
+        """After the size arrived: create the destination and post the first chunk."""
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        n = min(CHUNK, int(self.size[0]))
+        self._bufs = [np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)]
+        self._post()
+
+    def _post(self) -> None:
         size = int(self.size[0])
-        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self._fd, size)
-        if size == 0:
-            view = np.empty(0, dtype=np.uint8)
+        n = min(CHUNK, size - self._next)
+        buf = self._bufs[(self._next // CHUNK) % 2][:n]
+        self._pending = (self.comm.Irecv([buf, MPI.BYTE], self.source, TAG_DATA), buf)
+        self._next += n
+
+    def poll(self) -> bool:
+        """Progress: when the chunk in flight arrived, post the next and write this one."""
+        if self.done:
+            return True
+        assert self._pending is not None and self._fd is not None
+        req, buf = self._pending
+        if not req.Test():
+            return False
+        if self._next < int(self.size[0]):
+            self._post()
         else:
-            self._mm = mmap.mmap(self._fd, size)
-            view = np.frombuffer(self._mm, dtype=np.uint8)
-        self.reqs = [self.comm.Irecv([c, MPI.BYTE], self.source, TAG_DATA)
-                     for c in chunks(view)]
-        return self.reqs
+            self._pending = None
+            self.done = True
+        _write_all(self._fd, buf)
+        return self.done
 
     def finish(self) -> None:
-        """Flush, fsync and rename into place."""
-        if self._mm is not None:
-            self._mm.flush()
-            with contextlib.suppress(BufferError):
-                self._mm.close()
+        """fsync and rename into place."""
         assert self._fd is not None
         os.fsync(self._fd)
         os.close(self._fd)
@@ -99,6 +119,7 @@ class FileRecv:
     def abandon(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
+            self._fd = None
         self.tmp.unlink(missing_ok=True)
 
 
@@ -111,10 +132,16 @@ def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path
     into = [FileRecv(dc.comm, path, source) for path, source in recvs]
     try:
         dc.waitall([r for x in into for r in x.reqs], phase, step)
-        data = [req for x in into for req in x.post_data()]
-        dc.waitall(data + [r for x in out for r in x.reqs], phase, step, spin=True)
         for rx in into:
-            rx.reqs = []
+            rx.start()
+        sent = [r for x in out for r in x.reqs]
+        deadline = time.monotonic() + dc.timeout
+        # poll every receiver on every pass (a list, not a short-circuiting generator)
+        while not (all([rx.poll() for rx in into]) and MPI.Request.Testall(sent)):  # noqa: C419
+            if time.monotonic() > deadline:
+                raise dc.timeout_error(phase, step)
+            time.sleep(0)
+        for rx in into:
             rx.finish()
     except BaseException:
         for rx in into:

@@ -28,8 +28,9 @@ def _wipe_node(res: Result, node: int) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("phase,resume", [("write-local", 4), ("encode", 4), ("commit", 5),
-                                          ("between", 4)])
+@pytest.mark.parametrize("phase,resume", [
+    pytest.param("write-local", 4, marks=pytest.mark.slow), ("encode", 4),
+    pytest.param("commit", 5, marks=pytest.mark.slow), ("between", 4)])
 def test_lost_node_rebuilt_from_partner(phase: str, resume: int, tmp_path: Path,
                                         reference_digest: Callable[..., str]) -> None:
     res = _run(tmp_path, "local:1,partner:1", f"node:rank=2:step={FAULT_STEP}:phase={phase}")
@@ -46,7 +47,8 @@ def test_lost_node_rebuilt_from_partner(phase: str, resume: int, tmp_path: Path,
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("phase,resume", [("encode", 4), ("commit", 5)])
+@pytest.mark.parametrize("phase,resume", [
+    ("encode", 4), pytest.param("commit", 5, marks=pytest.mark.slow)])
 def test_lost_node_rebuilt_from_xor(phase: str, resume: int, tmp_path: Path,
                                     reference_digest: Callable[..., str]) -> None:
     res = _run(tmp_path, "local:1,xor:1", f"node:rank=4:step={FAULT_STEP}:phase={phase}")
@@ -78,7 +80,8 @@ def test_two_lost_nodes_rebuilt_from_rs(tmp_path: Path,
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("levels,lost_nodes,needle", [
     ("local:1,partner:1", [1, 2], "unrecoverable at level partner"),
-    ("local:1,xor:1", [1, 2], "unrecoverable at level xor"),
+    pytest.param("local:1,xor:1", [1, 2], "unrecoverable at level xor",
+                 marks=pytest.mark.slow),
     ("local:1,rs:1", [1, 2, 3], "unrecoverable at level rs"),
 ])
 def test_too_many_lost_nodes_fall_back_clearly(levels: str, lost_nodes: list[int], needle: str,
