@@ -94,10 +94,10 @@ def _child(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, float]) -> None:
     gbs = {k: nbytes / v / 1e9 for k, v in t.items()}
-    lines = [f"mpi_p2p_bandwidth: {gbs['p2p']:.3f} GB/s (each rank sends and receives "
-             f"{args.size_mib} MiB)",
-             f"tmpfs_write_bandwidth: {gbs['tmpfs_write']:.3f} GB/s (every rank writes + "
-             f"fsyncs {args.size_mib} MiB at once)"]
+    lines = [(f"mpi_p2p_bandwidth: {gbs['p2p']:.3f} GB/s (each rank sends and receives "
+              f"{args.size_mib} MiB)"),
+             (f"tmpfs_write_bandwidth: {gbs['tmpfs_write']:.3f} GB/s (every rank writes + "
+              f"fsyncs {args.size_mib} MiB at once)")]
     bound = min(gbs["p2p"], gbs["tmpfs_write"])
     ratios, bound_ratios = {}, {}
     for name in ("partner", "xor", "rs"):

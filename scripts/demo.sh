@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Demo: a 4-rank data-parallel training job (2 virtual nodes) loses a rank mid-checkpoint,
-# ftkit run relaunches it, restore picks the newest committed step, and the final model is
-# bit-identical to a failure-free run (which the demo also runs). Sets up .venv first.
+# Demo: an 8-rank data-parallel training job on 4 virtual nodes loses a whole node (its ranks
+# are killed and its node-local checkpoint directory is wiped) in the middle of a checkpoint.
+# ftkit run relaunches the job, restore rebuilds the lost node's shards from the partner
+# copies held on the next node (over MPI), and the final model is bit-identical to a
+# failure-free run, which the demo also runs. Sets up .venv first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-env.sh
@@ -12,27 +14,30 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/ftkit-demo.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 STEPS=${STEPS:-30}
 run() {  # run <job> [FTKIT_FAULTS]
-    FTKIT_JOB=$1 FTKIT_FAULTS=${2:-} FTKIT_LEVELS=local:1 FTKIT_LOCAL_DIR="$WORK/local" \
-    FTKIT_PFS_DIR="$WORK/pfs" "$PY" -m ftkit.cli.main run -n 4 --ranks-per-node 2 \
+    FTKIT_JOB=$1 FTKIT_FAULTS=${2:-} FTKIT_LEVELS=local:1,partner:1,xor:4 \
+    FTKIT_LOCAL_DIR="$WORK/local" FTKIT_PFS_DIR="$WORK/pfs" \
+    "$PY" -m ftkit.cli.main run -n 8 --ranks-per-node 2 \
         --max-restarts 2 --attempt-timeout 600 -- \
         "$PY" examples/toy_dp.py --steps "$STEPS" --seed 7 2>"$WORK/$1.err" | tee "$WORK/$1.out" \
         | grep -E '^ftkit run:|"event": "(start|done)"' || true
     # the dying job's stderr is long (every peer reports the lost connection): show ftkit's lines
-    grep -E '^ftkit\[|prterun noticed|injected fault' "$WORK/$1.err" | sed 's/^/  stderr| /' || true
+    grep -aE '^ftkit\[|prterun noticed|injected fault' "$WORK/$1.err" | sed 's/^/  stderr| /' || true
 }
 digest() { grep '"event": "done"' "$WORK/$1.out" | tail -1 | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["digest"])'; }
 
-echo "== 1. failure-free reference run ($STEPS steps, 4 ranks on 2 virtual nodes)"
+echo "== 1. failure-free reference run ($STEPS steps, 8 ranks on 4 virtual nodes," \
+     "levels local:1,partner:1,xor:4)"
 run reference
 echo
-echo "== 2. the same run; rank 3 is SIGKILLed while writing the checkpoint of step 17"
-run faulty "kill:rank=3:step=17:phase=write-local"
+echo "== 2. the same run; node 1 (ranks 2, 3) dies and loses its disk while step 17 is encoded"
+run faulty "node:rank=2:step=17:phase=encode"
 echo
 echo "== events.jsonl of the faulty run (restore / relaunch decisions)"
-grep -E '"event": "(restore|restore-skip|attempt-end|relaunch|done)"' "$WORK/pfs/faulty/events.jsonl" \
+grep -E '"event": "(restore|restore-skip|rebuild|attempt-end|relaunch|done)"' "$WORK/pfs/faulty/events.jsonl" \
     | "$PY" -c 'import json,sys
 for line in sys.stdin:
-    e = json.loads(line); keep = {k: e[k] for k in ("event", "attempt", "step", "rc", "reason", "seconds") if k in e}
+    e = json.loads(line)
+    keep = {k: e[k] for k in ("event", "attempt", "step", "rc", "reason", "nodes", "from_partner", "seconds") if k in e}
     print("  ", keep)'
 ref=$(digest reference); got=$(digest faulty)
 echo
