@@ -30,6 +30,7 @@ from ftkit.protocol.twophase import Snapshot, TwoPhase, raise_if_failed
 from ftkit.recovery import restore as recovery
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
+from ftkit.storage.pfs import PfsLevel
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Checkpointer:
                                 faults=self.faults)
         self._prepare_dirs()
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
+        self.pfs = PfsLevel(config, topo, self.local, self.dc, self.faults) \
+            if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit)
         self.stager = Stager()
@@ -75,6 +78,13 @@ class Checkpointer:
         if found.step:
             recovery.load(self.dc, self.levels, self.faults, found.step, state)
             self.last_committed = found.step
+        elif self.pfs is not None:
+            pfs_step = recovery.restore_from_pfs(self.dc, self.pfs, state, self._emit)
+            if pfs_step:
+                self._emit("restore", step=pfs_step, level="pfs",
+                           seconds=round(time.monotonic() - t0, 6))
+                self.last_committed = pfs_step
+                return pfs_step
         self._after_restore(found)
         self._emit("restore", step=found.step, skipped=sorted(found.skipped),
                    seconds=round(time.monotonic() - t0, 6))
@@ -162,6 +172,10 @@ class Checkpointer:
             self.last_committed = snap.step
             self.level_last.update({name: snap.step for name in snap.levels})
         raise_if_failed(out)
+        if self.pfs is not None and "pfs" in snap.levels:
+            seconds = self.pfs.flush(snap.step)
+            self._emit("flush", step=snap.step, seconds=round(seconds, 6),
+                       dir=str(self.pfs.step_dir(snap.step)))
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the

@@ -17,7 +17,7 @@ from ftkit.errors import ConfigError
 
 LEVEL_NAMES = ("local", "partner", "xor", "rs", "pfs")
 #: Levels this build implements; the others are accepted by the parser but rejected at use.
-IMPLEMENTED_LEVELS = ("local", "partner", "xor", "rs")
+IMPLEMENTED_LEVELS = ("local", "partner", "xor", "rs", "pfs")
 REDUNDANCY_LEVELS = ("partner", "xor", "rs")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -96,7 +96,7 @@ class TwoPhase:
         failure = snap.failure
         if failure is None:
             failure = self._guard(lambda: self._write(snap), step)
-        redundant = [name for name in snap.levels if name != "local"]
+        redundant = [name for name in snap.levels if name != "local" and name in self.levels]
         if not redundant:
             return failure
         if failure is None:
@@ -112,7 +112,7 @@ class TwoPhase:
     def _write(self, snap: Snapshot) -> None:
         self.faults.fire("write-local", snap.step)
         self.before_write(snap.step)
-        for name in snap.levels:
+        for name in (n for n in snap.levels if n in self.levels):
             self.levels[name].write_tentative(snap.step, snap.meta, snap.tree, snap.leaves,
                                               snap.buffers)
 
@@ -155,7 +155,7 @@ class TwoPhase:
                 self.faults.fire("decide", step)
             self.faults.fire("commit", step)
             record = self._record(step, levels)
-            for level in (self.levels[name] for name in levels):
+            for level in (self.levels[name] for name in levels if name in self.levels):
                 if decision["commit"]:
                     level.commit(step, record)
                 else:

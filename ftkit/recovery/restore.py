@@ -9,17 +9,21 @@ node's directory; everything from another node travels over MPI.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from ftkit.capture.apply import load_into
-from ftkit.capture.flatten import leaf_from_bytes, unflatten
+from ftkit.capture.flatten import TensorLeaf, leaf_from_bytes, unflatten
 from ftkit.comm.dist import DistComm
-from ftkit.errors import CheckpointError
+from ftkit.errors import CheckpointError, CorruptCheckpointError
 from ftkit.recovery import rebuild
 from ftkit.recovery.plan import make_plan
+from ftkit.storage import hdf5
 from ftkit.storage.levels import Levels
+from ftkit.storage.pfs import PfsLevel
 from ftkit.storage.shard import leaves_of
 from ftkit.testing.faults import Faults
 
@@ -127,3 +131,37 @@ def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
             raise CheckpointError(step, {}, message=f"{shard.path}: state root is not a dict")
         load_into(state, tree, step)
     dc.run(_load, "restore-load", step)
+
+
+def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
+                     emit: Callable[..., None]) -> int:
+    """Load the newest committed PFS step every rank can read intact (same world size);
+    0 when there is none. All ranks call."""
+    candidates = dc.bcast(pfs.committed_steps() if dc.rank == 0 else None, "restore-discover")
+    for step in candidates:
+        failure = None
+        loaded: Any = None
+        try:
+            attrs, entries, arrays = hdf5.read_rank(pfs.step_dir(step), dc.rank)
+            if int(attrs["world"]) != dc.size:
+                raise CheckpointError(step, {}, message=(
+                    f"{pfs.step_dir(step)} was written by {attrs['world']} ranks, this job "
+                    f"has {dc.size} (resharding is not supported yet)"))
+            leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
+                                 e["nbytes"]) for e in entries]
+            loaded = unflatten(json.loads(attrs["tree"]),
+                               [leaf_from_bytes(lf, a) for lf, a in zip(leaves, arrays)])
+        except (CheckpointError, CorruptCheckpointError) as exc:
+            failure = str(exc)
+        failures = dc.agree(failure, "restore-discover", step)
+        if failures:
+            if dc.rank == 0:
+                log.warning("restore: PFS step %d is unusable: %s", step, failures)
+            emit("restore-skip", step=step, level="pfs", failures=failures)
+            continue
+        dc.run(functools.partial(load_into, state, loaded, step), "restore-load", step)
+        if dc.rank == 0:
+            log.warning("restore: node-local levels hold no usable step; restored step %d "
+                        "from the PFS level (%s)", step, pfs.step_dir(step))
+        return step
+    return 0

@@ -126,27 +126,42 @@ class Shard:
     """A validated, memory-mapped shard. ``open`` checks the preamble and header only;
     :meth:`verify` checks every tensor's checksum; :meth:`array` returns a zero-copy view."""
 
-    def __init__(self, path: Path, mm: mmap.mmap, header: dict[str, Any]) -> None:
-        self.path, self._mm, self.header = path, mm, header
+    def __init__(self, path: Path, buf: Any, header: dict[str, Any]) -> None:
+        self.path, self._mm, self.header = path, buf, header
 
     @classmethod
     def open(cls, path: Path, *, rank: int | None = None, step: int | None = None,
              level: str = "local") -> Shard:
         """Map ``path`` and validate its preamble and header (raises CorruptCheckpointError)."""
-        def bad(reason: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(str(path), reason, rank=rank, step=step, level=level)
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 head = fh.read(len(MAGIC))
                 if head != MAGIC[:len(head)] or not head:
-                    raise bad(f"not an ftkit shard (magic {head!r}, expected {MAGIC!r})")
+                    raise CorruptCheckpointError(
+                        str(path), f"not an ftkit shard (magic {head!r}, expected {MAGIC!r})",
+                        rank=rank, step=step, level=level)
                 if size < _PREAMBLE.size:
-                    raise bad(f"file is {size} bytes, shorter than a shard preamble (truncated?)")
+                    raise CorruptCheckpointError(
+                        str(path), f"file is {size} bytes, shorter than a shard preamble "
+                        f"(truncated?)", rank=rank, step=step, level=level)
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
-            raise bad(f"cannot read: {exc}") from exc
-        magic, version, hlen, hsum = _PREAMBLE.unpack_from(mm, 0)
+            raise CorruptCheckpointError(str(path), f"cannot read: {exc}", rank=rank,
+                                         step=step, level=level) from exc
+        return cls.parse(mm, path, rank=rank, step=step, level=level)
+
+    @classmethod
+    def parse(cls, buf: Any, path: Path, *, rank: int | None = None, step: int | None = None,
+              level: str = "local") -> Shard:
+        """Validate a shard held in any buffer (a map, or bytes received over MPI); ``path``
+        names it in errors."""
+        def bad(reason: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(str(path), reason, rank=rank, step=step, level=level)
+        size = len(memoryview(buf))
+        if size < _PREAMBLE.size:
+            raise bad(f"{size} bytes, shorter than a shard preamble (truncated?)")
+        magic, version, hlen, hsum = _PREAMBLE.unpack_from(buf, 0)
         if magic != MAGIC:
             raise bad(f"not an ftkit shard (magic {magic!r}, expected {MAGIC!r})")
         if version != VERSION:
@@ -154,7 +169,7 @@ class Shard:
         if _PREAMBLE.size + hlen > size:
             raise bad(f"header of {hlen} bytes runs past the end of the {size}-byte file "
                       f"(truncated)")
-        raw = mm[_PREAMBLE.size:_PREAMBLE.size + hlen]
+        raw = bytes(memoryview(buf)[_PREAMBLE.size:_PREAMBLE.size + hlen])
         if xxhash.xxh3_64_intdigest(raw) != hsum:
             raise bad("header checksum mismatch")
         try:
@@ -167,7 +182,7 @@ class Shard:
             if end > size:
                 raise bad(f"tensor {tpath} ends at byte {end}, past the end of the {size}-byte "
                           f"file (truncated)")
-        shard = cls(path, mm, header)
+        shard = cls(path, buf, header)
         shard.check_identity(rank=rank, step=step, level=level)
         return shard
 
@@ -206,10 +221,11 @@ class Shard:
                 rank=self.header.get("rank"), step=self.header.get("step"), level=level)
 
     def close(self) -> None:
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # views still alive; the map is released when they are collected
+        if isinstance(self._mm, mmap.mmap):
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still alive; the map is released when they are collected
 
     def __enter__(self) -> Self:
         return self

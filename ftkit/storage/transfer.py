@@ -151,3 +151,13 @@ def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path
         for tx in out:
             tx.reqs = []
             tx.close()
+
+
+def recv_buffer(dc: DistComm, source: int, phase: str, step: int) -> np.ndarray:
+    """Receive one file sent with :class:`FileSend` into memory (size, then chunks)."""
+    size = np.zeros(1, dtype=np.int64)
+    dc.waitall([dc.comm.Irecv([size, MPI.INT64_T], source, TAG_SIZE)], phase, step)
+    buf = np.empty(int(size[0]), dtype=np.uint8)
+    dc.waitall([dc.comm.Irecv([c, MPI.BYTE], source, TAG_DATA) for c in chunks(buf)],
+               phase, step, spin=True)
+    return buf

@@ -1,0 +1,116 @@
+"""Parallel-file-system level: committed steps flushed to self-describing HDF5.
+
+Flush of step ``s`` (phase ``flush``; runs on the checkpoint thread right after ``s`` was
+committed, so the next ``save`` waits for it — back-pressure of one outstanding flush):
+
+1. every rank sends its node-local permanent shard to its node leader over MPI;
+2. each node leader writes ``step-<s>/node-<id>.h5`` (temp name, fsync, rename);
+3. all ranks agree that every node file is durable;
+4. rank 0 writes the index ``ftkit.h5`` and then ``COMMITTED``.
+
+A crash anywhere before 4 leaves a step without ``COMMITTED``, which restore ignores and
+``inspect`` shows as incomplete.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ftkit.comm.dist import DistComm
+from ftkit.comm.topology import Topology
+from ftkit.config import Config
+from ftkit.errors import CheckpointError
+from ftkit.storage import hdf5
+from ftkit.storage.local import LocalLevel, make_private_dir
+from ftkit.storage.shard import Shard
+from ftkit.storage.transfer import exchange, recv_buffer
+from ftkit.testing.faults import Faults
+
+log = logging.getLogger(__name__)
+
+
+class PfsLevel:
+    """One rank's part of the PFS level."""
+
+    name = "pfs"
+
+    def __init__(self, config: Config, topo: Topology, local: LocalLevel, dc: DistComm,
+                 faults: Faults) -> None:
+        self.config, self.topo, self.local, self.faults = config, topo, local, faults
+        self.dc = dc                                          # world
+        self.node_dc = DistComm(topo.node_comm, dc.timeout)   # this node's ranks
+
+    def step_dir(self, step: int) -> Path:
+        return self.config.job_pfs_dir / f"step-{step}"
+
+    def committed_steps(self) -> list[int]:
+        """PFS steps with a COMMITTED record, newest first (local listing)."""
+        root = self.config.job_pfs_dir
+        if not root.is_dir():
+            return []
+        steps = [int(p.name[5:]) for p in root.glob("step-*")
+                 if p.name[5:].isdigit() and (p / "COMMITTED").is_file()]
+        return sorted(steps, reverse=True)
+
+    def flush(self, step: int) -> float:
+        """Write committed ``step`` to HDF5 (see module doc). All ranks call; returns
+        seconds; raises the same CheckpointError everywhere on failure."""
+        t0 = time.monotonic()
+        failure = None
+        try:
+            self.faults.fire("flush", step)
+            self._write_node_file(step)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            failure = f"{type(exc).__name__}: {exc}"
+            log.error("rank %d: flush of step %d failed: %s", self.topo.rank, step, failure)
+        failures = self.dc.agree(failure, "flush", step)
+        if failures:
+            raise CheckpointError(step, failures, message=f"flush of step {step} to "
+                                  f"{self.step_dir(step)} failed; the step stays incomplete")
+        if self.topo.rank == 0:
+            self._commit(step)
+        return time.monotonic() - t0
+
+    def _write_node_file(self, step: int) -> None:
+        leader = 0
+        path = self.local.shard_path(step)
+        if self.topo.node_rank != leader:
+            exchange(self.node_dc, [(path, leader)], [], "flush", step)
+            return
+        make_private_dir(self.step_dir(step))
+        shards = [Shard.open(path, rank=self.topo.rank, step=step)]
+        for src in range(1, self.node_dc.size):
+            buf = recv_buffer(self.node_dc, src, "flush", step)
+            rank = self.topo.ranks_on(self.topo.node)[src]
+            shards.append(Shard.parse(buf, Path(f"<rank {rank} shard of step {step}>"),
+                                      rank=rank, step=step))
+        topo = {r: self._coords(r) for r in self.topo.ranks_on(self.topo.node)}
+        try:
+            hdf5.write_node_file(self.step_dir(step) / f"node-{self.topo.node}.h5", shards,
+                                 topo)
+        finally:
+            for shard in shards:
+                shard.close()
+
+    def _coords(self, rank: int) -> dict[str, Any]:
+        from ftkit.comm.topology import coords_of
+        c = coords_of(rank, self.topo.dp, self.topo.tp, self.topo.pp)
+        return {"dp_idx": c.dp, "tp_idx": c.tp, "pp_idx": c.pp, "node": self.topo.rank_node[rank]}
+
+    def _commit(self, step: int) -> None:
+        t = self.topo
+        meta = {"job": self.config.job, "step": step, "world": t.world, "dp": t.dp,
+                "tp": t.tp, "pp": t.pp, "nodes": len(t.nodes), "ftkit": _version()}
+        hdf5.write_index(self.step_dir(step), meta,
+                         {r: f"node-{t.rank_node[r]}.h5" for r in range(t.world)})
+        hdf5.write_commit(self.step_dir(step), {"step": step, "world": t.world,
+                                                "time": time.time()})
+
+
+def _version() -> str:
+    from ftkit import __version__
+    return __version__
