@@ -89,12 +89,13 @@ class PfsLevel:
             shards.append(Shard.parse(buf, Path(f"<rank {rank} shard of step {step}>"),
                                       rank=rank, step=step))
         topo = {r: self._coords(r) for r in self.topo.ranks_on(self.topo.node)}
+        node_file = self.step_dir(step) / f"node-{self.topo.node}.h5"
         try:
-            hdf5.write_node_file(self.step_dir(step) / f"node-{self.topo.node}.h5", shards,
-                                 topo)
+            hdf5.write_node_file(node_file, shards, topo)
         finally:
             for shard in shards:
                 shard.close()
+        self.faults.after_write(node_file, level=self.name, step=step, ranks=list(topo))
 
     def _coords(self, rank: int) -> dict[str, Any]:
         from ftkit.comm.topology import coords_of

@@ -131,13 +131,15 @@ class Faults:
     def _node_of(self, rank: int) -> int | None:
         return self.rank_node[rank] if 0 <= rank < len(self.rank_node) else None
 
-    def after_write(self, path: Path, *, level: str, step: int) -> None:
-        """Corrupt hook: flip one byte of ``path`` if a ``corrupt`` fault matches."""
+    def after_write(self, path: Path, *, level: str, step: int,
+                    ranks: Sequence[int] = ()) -> None:
+        """Corrupt hook: flip one byte of ``path`` if a ``corrupt`` fault matches. ``ranks``:
+        the ranks whose data the file holds when it is not only this rank's (PFS node file)."""
         for i, f in enumerate(self.faults):
             if f.kind != "corrupt" or i in self._fired:
                 continue
-            if f.matches(phase=None, step=step, rank=self.rank, node=self.node,
-                         attempt=self.attempt, level=level):
+            if any(f.matches(phase=None, step=step, rank=r, node=self.node,
+                             attempt=self.attempt, level=level) for r in (ranks or [self.rank])):
                 self._fired.add(i)
                 flip_byte(path)
                 log.warning("injected fault: flipped a byte of %s (rank %d, step %d, level %s)",

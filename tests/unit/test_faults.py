@@ -57,7 +57,6 @@ def test_corrupt_defaults_to_local_level() -> None:
     ("kill:step=1.5", "step"),                        # non-int step
     ("exit:code=x", "code"),                          # non-int code
     ("kill:attempt=a", "attempt"),                    # non-int attempt
-    ("corrupt:rank=1:level=pfs", "pfs"),              # level not yet supported
     ("corrupt:rank=1:level=tape", "tape"),            # unknown level
     ("node:step=3", "node"),                          # node fault without a victim
     ("kill:rank=1;bogus", "bogus"),                   # bad second entry
@@ -70,9 +69,10 @@ def test_bad_specs_raise_config_error(spec: str, needle: str) -> None:
     assert needle in msg
 
 
-def test_not_yet_supported_level_says_so() -> None:
-    with pytest.raises(ConfigError, match="not yet supported"):
-        parse_faults("corrupt:rank=1:level=pfs")
+def test_every_level_can_be_corrupted() -> None:
+    for level in ("local", "partner", "xor", "rs", "pfs"):
+        (fault,) = parse_faults(f"corrupt:rank=1:level={level}")
+        assert fault.level == level
 
 
 def test_faults_constructor_validates() -> None:
