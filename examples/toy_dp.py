@@ -58,13 +58,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--dropout", type=float, default=0.1,
+                    help="dropout draws from each rank's torch RNG (0: layout-independent)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     init_torch_distributed(comm)
     torch.manual_seed(args.seed)                      # identical replicas
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Dropout(0.1), torch.nn.Linear(args.hidden, 1))
+                                torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.manual_seed(args.seed * 1000 + comm.rank + 1)   # per-rank dropout stream
     loader = Loader(args.seed)

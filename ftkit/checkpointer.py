@@ -67,6 +67,7 @@ class Checkpointer:
             else None
         self._pending: cf.Future[None] | None = None
         self._closed = False
+        self._foreign_local = False
 
     # ------------------------------------------------------------- public API
     def restore(self, state: State) -> int:
@@ -74,7 +75,8 @@ class Checkpointer:
         (0 when none). All ranks call."""
         self.wait()
         t0 = time.monotonic()
-        found = recovery.discover(self.dc, self.levels, self.faults, self._emit)
+        found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
+                                  foreign_ok=self.pfs is not None)
         if found.step:
             recovery.load(self.dc, self.levels, self.faults, found.step, state)
             self.last_committed = found.step
@@ -84,7 +86,10 @@ class Checkpointer:
                 self._emit("restore", step=pfs_step, level="pfs",
                            seconds=round(time.monotonic() - t0, 6))
                 self.last_committed = pfs_step
+                self._foreign_local = found.foreign is not None
                 return pfs_step
+        if found.foreign is not None:
+            raise found.foreign       # nothing usable anywhere: never overwrite those steps
         self._after_restore(found)
         self._emit("restore", step=found.step, skipped=sorted(found.skipped),
                    seconds=round(time.monotonic() - t0, 6))
@@ -181,6 +186,8 @@ class Checkpointer:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
         newest committed one on this node when this Checkpointer has not seen a commit)."""
         keep = {step} | set(self.level_last.values())
+        if self._foreign_local:     # restored from PFS into another world: keep those steps
+            keep |= set(self.local.steps())
         if self.last_committed is None:
             keep |= {max((s for s in self.local.steps() if self.local.is_committed(s)),
                          default=step)}

@@ -39,10 +39,11 @@ class Discovery:
     skipped: dict[int, str]         # step -> why it was not usable
     levels_of: dict[int, list[str]]  # step -> levels it was saved with
     rebuilt: list[int] = dataclasses.field(default_factory=list)
+    foreign: CheckpointError | None = None   # local steps of another world size (untouched)
 
 
 def discover(dc: DistComm, levels: Levels, faults: Faults,
-             emit: Callable[..., None]) -> Discovery:
+             emit: Callable[..., None], *, foreign_ok: bool = False) -> Discovery:
     """Agree on the newest committed step every rank can load, rebuilding lost shards when
     a redundancy level allows. All ranks call."""
     faults.fire("restore-discover", None)
@@ -55,7 +56,12 @@ def discover(dc: DistComm, levels: Levels, faults: Faults,
     every = [g["steps"] for g in gathered]
     committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
                        reverse=True)
-    _refuse_foreign_world(every, committed, dc.size, local.root.parent)
+    try:
+        _refuse_foreign_world(every, committed, dc.size, local.root.parent)
+    except CheckpointError as exc:
+        if not foreign_ok:
+            raise
+        return Discovery(0, [], {}, {}, foreign=exc)
     levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
                  or ["local"] for s in committed}
     found = Discovery(0, committed, {}, levels_of)
@@ -133,20 +139,35 @@ def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
     dc.run(_load, "restore-load", step)
 
 
+def source_rank(step_dir: Any, topo: Any) -> int:
+    """The rank of the saved job whose shard this rank loads. Same world: itself. Another
+    DP size with the same tp x pp: the DP replica ``dp_idx % saved dp`` of the same
+    (tp, pp) shard (replicated parameters and optimizer state are identical across DP)."""
+    meta = hdf5.read_index_attrs(step_dir)
+    world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
+    if world == topo.world:
+        return int(topo.rank)
+    if (tp, pp) != (topo.tp, topo.pp):
+        raise CheckpointError(int(meta["step"]), {}, message=(
+            f"{step_dir} was saved with tp={tp} pp={pp} on {world} ranks; this job has "
+            f"tp={topo.tp} pp={topo.pp}: changing TP/PP needs shard attributes "
+            f"(shard_dim) that these tensors do not carry"))
+    dp = world // (tp * pp)
+    c = topo.coords
+    return c.pp * dp * tp + (c.dp % dp) * tp + c.tp
+
+
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
                      emit: Callable[..., None]) -> int:
-    """Load the newest committed PFS step every rank can read intact (same world size);
-    0 when there is none. All ranks call."""
+    """Load the newest committed PFS step every rank can read intact; a different DP size
+    is resharded (see :func:`source_rank`). 0 when there is none. All ranks call."""
     candidates = dc.bcast(pfs.committed_steps() if dc.rank == 0 else None, "restore-discover")
     for step in candidates:
         failure = None
         loaded: Any = None
         try:
-            attrs, entries, arrays = hdf5.read_rank(pfs.step_dir(step), dc.rank)
-            if int(attrs["world"]) != dc.size:
-                raise CheckpointError(step, {}, message=(
-                    f"{pfs.step_dir(step)} was written by {attrs['world']} ranks, this job "
-                    f"has {dc.size} (resharding is not supported yet)"))
+            src = source_rank(pfs.step_dir(step), pfs.topo)
+            attrs, entries, arrays = hdf5.read_rank(pfs.step_dir(step), src)
             leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
                                  e["nbytes"]) for e in entries]
             loaded = unflatten(json.loads(attrs["tree"]),

@@ -151,6 +151,16 @@ def read_rank(step_dir: Path, rank: int, *, verify: bool = True
     return attrs, [entries[i] for i in order], [arrays[i] for i in order]
 
 
+def read_index_attrs(step_dir: Path) -> dict[str, Any]:
+    """Attributes of ``step_dir/ftkit.h5`` (CorruptCheckpointError when unreadable)."""
+    try:
+        with _h5py().File(step_dir / INDEX, "r") as h5:
+            return {k: h5.attrs[k] for k in h5.attrs}
+    except OSError as exc:
+        raise CorruptCheckpointError(str(step_dir / INDEX), f"cannot read: {exc}",
+                                     level="pfs") from exc
+
+
 def _datasets(grp: Any) -> list[Any]:
     out: list[Any] = []
     grp.visititems(lambda _n, obj: out.append(obj) if hasattr(obj, "dtype") else None)

@@ -69,11 +69,12 @@ def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
 
 def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_node: int = 2,
             max_restarts: int = 2, attempt_timeout: int = 240, timeout: int = 600,
-            **ftkit_env: str) -> Result:
+            extra: tuple[str, ...] = (), **ftkit_env: str) -> Result:
     """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``)."""
     cmd = [*FTKIT, "run", "-n", str(n), "--ranks-per-node", str(ranks_per_node),
            "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
-           "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", str(seed)]
+           "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", str(seed),
+           *extra]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, check=False, cwd=tmp, env=job_env(tmp, **ftkit_env),
                           capture_output=True,

@@ -50,3 +50,36 @@ def test_crash_during_flush_leaves_incomplete_step(tmp_path: Path,
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 3, res.tail()
     assert res.done["digest"] == reference_digest(4, 8)
+
+
+def _loss_at(res: object, step: int) -> float:
+    lines = [r for r in res.json_lines()  # type: ignore[attr-defined]
+             if r.get("event") == "step" and r["step"] == step]
+    assert lines, res.tail()  # type: ignore[attr-defined]
+    return float(lines[-1]["loss"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n,rpn", [(2, 1), (8, 2)])
+def test_restore_on_another_dp_size(n: int, rpn: int, tmp_path: Path) -> None:
+    """A 4-rank (dp=4) checkpoint restored from HDF5 on 2 and on 8 ranks: each new rank
+    loads the DP replica dp_idx % 4, the loader (global position) re-splits the same global
+    batch, and the first step after restore has the loss the 4-rank job has at that step.
+    Dropout is off: with it each rank's RNG stream (and so the mask) depends on the layout.
+    Tolerance 1e-6 relative: only the order of the float sums differs."""
+    no_dropout = ("--dropout", "0")
+    (tmp_path / "saved").mkdir()
+    saved = run_toy(tmp_path / "saved", steps=6, max_restarts=0, FTKIT_LEVELS=LEVELS,
+                    extra=no_dropout)
+    assert saved.rc == 0, saved.tail()
+    original = run_toy(tmp_path / "saved", steps=7, max_restarts=0, FTKIT_LEVELS=LEVELS,
+                       extra=no_dropout)
+    assert original.starts[0]["step"] == 6
+    moved = tmp_path / "moved"                     # a new allocation: only the PFS survives
+    shutil.copytree(tmp_path / "saved" / "pfs", moved / "pfs")
+    shutil.rmtree(moved / "pfs" / "e2e" / "step-7", ignore_errors=True)
+    res = run_toy(moved, n=n, ranks_per_node=rpn, steps=7, max_restarts=0,
+                  FTKIT_LEVELS=LEVELS, extra=no_dropout)
+    assert res.rc == 0, res.tail()
+    assert res.starts[0]["step"] == 6
+    assert _loss_at(res, 7) == pytest.approx(_loss_at(original, 7), rel=1e-6)
