@@ -88,7 +88,7 @@ class Checkpointer:
                 self.last_committed = pfs_step
                 self._foreign_local = found.foreign is not None
                 return pfs_step
-        if found.foreign is not None:
+        if found.foreign is not None and not found.step:
             raise found.foreign       # nothing usable anywhere: never overwrite those steps
         self._after_restore(found)
         self._emit("restore", step=found.step, skipped=sorted(found.skipped),

@@ -1,6 +1,6 @@
 """``ftkit`` command line (DESIGN §7). Only this module configures logging.
 
-Subcommands: ``run``, ``advise``. Importing this module imports neither mpi4py nor torch.
+Subcommands: ``run``, ``advise``, ``inspect``, ``verify``, ``export``. Importing this module imports neither mpi4py nor torch.
 Exit status 2 means a usage, configuration or launch-setup error.
 """
 from __future__ import annotations
@@ -104,6 +104,61 @@ def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     adv.set_defaults(func=_cmd_advise)
 
 
+def _add_inspect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit inspect PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.inspect`)."""
+    p = sub.add_parser(
+        "inspect", help="list the steps of an HDF5 checkpoint and their tensors",
+        description="List the steps of a PFS checkpoint (committed or incomplete) with world, "
+                    "dp, tp and pp, and every tensor of every rank (path, dtype, shape, bytes) "
+                    "of one step: --step, or the newest committed step.")
+    p.add_argument("path", metavar="PATH",
+                   help="job directory ($FTKIT_PFS_DIR/<job>), a step-<s> directory or a "
+                        "step's ftkit.h5")
+    p.add_argument("--step", type=_non_negative_int, metavar="S", help="step to list")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_checkpoint_tool)
+
+
+def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit verify PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.inspect`)."""
+    p = sub.add_parser(
+        "verify", help="recompute every checksum of an HDF5 checkpoint",
+        description="Recompute the checksum of every dataset of the chosen step (default: "
+                    "every step of the job directory) through the index's links. Exit 0: "
+                    "intact; 1: a dataset is corrupt or unreadable, or a step is incomplete; "
+                    "2: usage error.")
+    p.add_argument("path", metavar="PATH",
+                   help="job directory, a step-<s> directory or a step's ftkit.h5")
+    p.add_argument("--step", type=_non_negative_int, metavar="S", help="step to verify")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_checkpoint_tool)
+
+
+def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit export PATH --step S --out FILE [--format pt|safetensors]``."""
+    p = sub.add_parser(
+        "export", help="write one step as a single-process state dict",
+        description="Write the tensors of one committed step as a flat {state path: tensor} "
+                    "dict: rank 0's for data-parallel checkpoints, shards merged along "
+                    "shard_dim for TP/PP. Exit 0: written; 1: incomplete, corrupt or "
+                    "unmergeable; 2: usage error.")
+    p.add_argument("path", metavar="PATH",
+                   help="job directory, a step-<s> directory or a step's ftkit.h5")
+    p.add_argument("--step", type=_non_negative_int, metavar="S",
+                   help="step to export (required for a job directory)")
+    p.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    p.add_argument("--format", choices=("pt", "safetensors"),
+                   help="pt: torch.save (default); safetensors: needs that package "
+                        "(default for a .safetensors FILE)")
+    p.set_defaults(func=_cmd_checkpoint_tool)
+
+
+def _cmd_checkpoint_tool(args: argparse.Namespace) -> int:
+    """Body of ``inspect``/``verify``/``export`` (imports h5py/torch only when run)."""
+    from ftkit.cli.inspect import run
+    return run(args)
+
+
 def _costs(args: argparse.Namespace) -> dict[str, float]:
     import json
     costs: dict[str, float] = {}
@@ -137,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
     _add_advise_parser(sub)
+    _add_inspect_parser(sub)
+    _add_verify_parser(sub)
+    _add_export_parser(sub)
     return parser
 
 

@@ -56,15 +56,11 @@ def discover(dc: DistComm, levels: Levels, faults: Faults,
     every = [g["steps"] for g in gathered]
     committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
                        reverse=True)
-    try:
-        _refuse_foreign_world(every, committed, dc.size, local.root.parent)
-    except CheckpointError as exc:
-        if not foreign_ok:
-            raise
-        return Discovery(0, [], {}, {}, foreign=exc)
+    foreign, error = _foreign_world(every, committed, dc.size, local.root.parent)
+    committed = [s for s in committed if s not in foreign]
     levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
                  or ["local"] for s in committed}
-    found = Discovery(0, committed, {}, levels_of)
+    found = Discovery(0, committed, {}, levels_of, foreign=error)
     for step in committed:
         reports = dc.allgather(rebuild.local_report(levels, step, dc.size, levels_of[step]),
                                "restore-discover", step)
@@ -83,6 +79,8 @@ def discover(dc: DistComm, levels: Levels, faults: Faults,
             log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
                         step, detail or "no shard lost", plan.unrecoverable)
         emit("restore-skip", step=step, failures=failures, reason=plan.unrecoverable)
+    if error is not None and not foreign_ok:
+        raise error             # nothing usable: never start over on top of those steps
     if committed and dc.rank == 0:
         log.warning("restore: none of the committed steps %s is recoverable; starting over",
                     committed)
@@ -108,18 +106,24 @@ def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, report
     return None
 
 
-def _refuse_foreign_world(every: list[dict[str, Any]], committed: list[int], world: int,
-                          where: Any) -> None:
-    """A committed step written by another world size must not be silently overwritten."""
+def _foreign_world(every: list[dict[str, Any]], committed: list[int], world: int,
+                   where: Any) -> tuple[set[int], CheckpointError | None]:
+    """Committed steps written by another world size (never used, never overwritten while
+    nothing else is usable) and the error that names the newest of them."""
+    foreign: dict[int, int] = {}
     for step in committed:
         worlds = {v["w"] for inv in every for s, v in inv.items()
                   if int(s) == step and v.get("w") is not None}
         other = sorted(w for w in worlds if w != world)
         if other:
-            raise CheckpointError(step, {}, message=(
-                f"the committed step {step} under {where} was written by a job of "
-                f"{other[0]} ranks, and this job has {world}; relaunch with {other[0]} ranks "
-                f"(or use another FTKIT_JOB); nothing was modified"))
+            foreign[step] = other[0]
+    if not foreign:
+        return set(), None
+    step = max(foreign)
+    return set(foreign), CheckpointError(step, {}, message=(
+        f"the committed step {step} under {where} was written by a job of {foreign[step]} "
+        f"ranks, and this job has {world}; relaunch with {foreign[step]} ranks (or use "
+        f"another FTKIT_JOB, or a PFS level to reshard from); nothing was modified"))
 
 
 def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
