@@ -146,6 +146,9 @@ class Checkpointer:
             marker.parent.mkdir(parents=True, exist_ok=True)
             write_record(marker, {"job": self.config.job, "attempt": self.config.attempt,
                                   "last_committed": self.last_committed, "time": time.time()})
+        self.levels.free()
+        if self.pfs is not None:
+            self.pfs.node_dc.free()
         self.dc.free()
 
     # -------------------------------------------------------------- internals

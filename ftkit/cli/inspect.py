@@ -143,7 +143,8 @@ class Target:
     def newest(self) -> StepRef | None:
         """The newest committed step, else the newest step, else None."""
         committed = [r for r in self.steps if r.state()[0]]
-        return (committed or self.steps or [None])[-1]
+        pool = committed or self.steps
+        return pool[-1] if pool else None
 
     def step_list(self) -> str:
         return ", ".join(str(r.step) for r in self.steps) or "none"
@@ -247,6 +248,13 @@ def _py(value: Any) -> Any:
     return value
 
 
+def _why(exc: BaseException) -> str:
+    """An exception as text (KeyError's str() adds quotes)."""
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc) or type(exc).__name__
+
+
 def _raw(a: Any) -> np.ndarray:
     """The bytes of an array read from a dataset, as a flat uint8 array."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -263,7 +271,7 @@ def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES) -> str:
     h = xxhash.xxh3_64()
     rows = max(1, block_bytes // max(1, ds.nbytes // shape[0]))
     for start in range(0, shape[0], rows):
-        h.update(memoryview(_raw(ds[start:start + rows])))
+        h.update(_raw(ds[start:start + rows]).data)
     return "xxh3-64:" + h.hexdigest()
 
 
@@ -392,7 +400,7 @@ def _scan_ranks(sc: StepScan, h5: Any, h5py: Any, verify: bool,
         except (KeyError, OSError, ValueError) as exc:
             target = (f"{link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink)
                       else name)
-            sc.problems.append(Bad(where, f"link to {target} does not resolve ({exc})"))
+            sc.problems.append(Bad(where, f"link to {target} does not resolve ({_why(exc)})"))
             continue
         _scan_rank(sc, rank, grp, file, verify, progress)
 
@@ -404,7 +412,7 @@ def _scan_rank(sc: StepScan, rank: int, grp: Any, file: Path, verify: bool,
         attrs = {k: _py(v) for k, v in grp.attrs.items()}
         datasets = _datasets(grp)
     except (KeyError, OSError, ValueError, RuntimeError) as exc:
-        sc.problems.append(Bad(where, f"unreadable rank group: {exc}"))
+        sc.problems.append(Bad(where, f"unreadable rank group: {_why(exc)}"))
         return
     if attrs.get("rank") != rank:
         sc.problems.append(Bad(where, f"group says rank {attrs.get('rank')}, linked as {rank}"))
@@ -414,7 +422,7 @@ def _scan_rank(sc: StepScan, rank: int, grp: Any, file: Path, verify: bool,
         topo = json.loads(attrs.get("topology", "{}"))
         expected = _count_tensors(json.loads(attrs["tree"]))
     except (KeyError, TypeError, ValueError) as exc:
-        sc.problems.append(Bad(where, f"bad 'tree'/'topology' attribute: {exc}"))
+        sc.problems.append(Bad(where, f"bad 'tree'/'topology' attribute: {_why(exc)}"))
         topo, expected = {}, None
     sc.rank_info[rank] = {"file": str(file), **(topo if isinstance(topo, dict) else {})}
     entries = []
@@ -423,7 +431,7 @@ def _scan_rank(sc: StepScan, rank: int, grp: Any, file: Path, verify: bool,
         try:
             entry = _entry(ds, file)
         except (KeyError, OSError, ValueError, TypeError) as exc:
-            sc.problems.append(Bad(ds_where, f"unreadable attributes: {exc}"))
+            sc.problems.append(Bad(ds_where, f"unreadable attributes: {_why(exc)}"))
             continue
         entries.append(entry)
         if not verify:
@@ -431,7 +439,7 @@ def _scan_rank(sc: StepScan, rank: int, grp: Any, file: Path, verify: bool,
         try:
             got = dataset_checksum(ds)
         except (OSError, ValueError, TypeError, RuntimeError) as exc:
-            sc.problems.append(Bad(ds_where, f"unreadable data: {exc}"))
+            sc.problems.append(Bad(ds_where, f"unreadable data: {_why(exc)}"))
             continue
         if not entry["checksum"].startswith("xxh3-64:"):
             sc.problems.append(Bad(ds_where, f"unknown checksum {entry['checksum']!r}"))
@@ -500,7 +508,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str
         rich.console.Console().print(t)
         return
     if title:
-        print(f"{indent}{title}")
+        print(title)
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     for row in [list(headers), *rows]:
         cells = [c.rjust(w) if i in right else c.ljust(w)
@@ -667,7 +675,7 @@ def _read_rank(h5: Any, ref: StepRef, rank: int) -> tuple[dict[str, Any], list[P
                                   f"{entry['checksum']}, data has {checksum(raw)})")
             pieces.append((entry, raw))
     except (KeyError, OSError, ValueError, TypeError) as exc:
-        raise ExportError(f"{file}:/rank/{rank}: cannot read: {exc}") from exc
+        raise ExportError(f"{file}:/rank/{rank}: cannot read: {_why(exc)}") from exc
     pieces.sort(key=lambda p: p[0]["index"])
     return attrs, pieces
 
@@ -800,9 +808,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {out} is a directory")
     fmt = _export_format(args)
     if args.step is None and not target.single:
-        committed = ", ".join(str(r.step) for r in target.steps if r.state()[0]) or "none"
-        raise UsageError(f"--step is required for a job directory (committed steps: "
-                         f"{committed})")
+        steps = ", ".join(str(r.step) for r in target.steps if r.state()[0]) or "none"
+        raise UsageError(f"--step is required for a job directory (committed steps: {steps})")
     ref = target.pick(args.step)
     committed, reason = ref.state()
     if not committed:

@@ -44,6 +44,13 @@ class Levels:
                                          parity[name], faults)
         return cls(local, partner, erasure, sets, parity, partners)
 
+    def free(self) -> None:
+        """Release the communicators the levels own (local call)."""
+        if self.partner is not None:
+            self.partner.dc.free()
+        for level in self.erasure.values():
+            level.sdc.free()
+
     def by_name(self) -> dict[str, Level]:
         out: dict[str, Level] = {"local": self.local}
         if self.partner is not None:
