@@ -105,7 +105,7 @@ def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _add_inspect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``ftkit inspect PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.inspect`)."""
+    """``ftkit inspect PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.checkpoints`)."""
     p = sub.add_parser(
         "inspect", help="list the steps of an HDF5 checkpoint and their tensors",
         description="List the steps of a PFS checkpoint (committed or incomplete) with world, "
@@ -120,7 +120,7 @@ def _add_inspect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``ftkit verify PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.inspect`)."""
+    """``ftkit verify PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.checkpoints`)."""
     p = sub.add_parser(
         "verify", help="recompute every checksum of an HDF5 checkpoint",
         description="Recompute the checksum of every dataset of the chosen step (default: "
@@ -155,7 +155,7 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _cmd_checkpoint_tool(args: argparse.Namespace) -> int:
     """Body of ``inspect``/``verify``/``export`` (imports h5py/torch only when run)."""
-    from ftkit.cli.inspect import run
+    from ftkit.cli.checkpoints import run
     return run(args)
 
 

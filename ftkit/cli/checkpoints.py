@@ -1,0 +1,279 @@
+"""``ftkit inspect`` / ``verify`` / ``export``: the PFS level's HDF5 checkpoints (DESIGN §5, §7).
+
+They run on a login node: importing this module imports neither mpi4py, torch nor h5py (h5py
+on first use, torch only inside ``export``).
+
+PATH names a job directory (``$FTKIT_PFS_DIR/<job>``, whose ``step-<s>`` directories are the
+steps), one ``step-<s>`` directory, or one HDF5 file of a step (normally ``ftkit.h5``; a
+``node-<id>.h5`` file works too). A step is *committed* when both ``step-<s>/COMMITTED`` and
+its index ``ftkit.h5`` exist; otherwise it is *incomplete* (a flush that crashed or is still
+running; restore ignores it).
+
+``inspect PATH [--step S] [--json]`` lists the steps and, for one step (``--step``, the step PATH
+names, or by default the newest committed one), every tensor of every rank. ``--json`` prints::
+
+    {"path": str,                        # PATH as given
+     "job_dir": str | null,              # job directory (null: PATH is not under one)
+     "selected_step": int | null,        # the step whose "ranks" are listed
+     "steps": [                          # every step, oldest first
+       {"step": int | null, "dir": str,
+        "committed": bool, "state": "committed" | "incomplete",
+        "reason": str | null,            # why the step is incomplete
+        "world": int | null, "dp": int | null, "tp": int | null, "pp": int | null,
+        "nodes": int | null, "job": str | null, "time": float | null,   # index attributes
+        "format": str | null, "files": [str],        # node files in the step directory
+        "problems": [str],               # "<file>:<object>: <why>" found while reading
+        "ranks": null | {                # null except for the selected step
+          "<r>": [{"path": str,          # path in the state tree (ftkit_path)
+                   "dtype": str,         # ftkit_dtype: torch name ("bfloat16") or numpy descr
+                   "kind": "torch" | "numpy",
+                   "shape": [int], "nbytes": int, "checksum": str, "index": int,
+                   "file": str, "dataset": str,   # node file and /rank/<r>/... object
+                   "shard": null | {"dim": int, "offset": int, "global_shape": [int]}}]}}]}
+
+``verify PATH [--step S] [--json]`` recomputes the checksum of every dataset of the chosen
+step (``--step``, the step PATH names, or every step of the job directory), following the
+index's links, and checks the structure (every rank linked and readable, one dataset per
+tensor of the rank's tree). Exit 0: intact; 1: a dataset is corrupt or unreadable or a step is
+incomplete, each listed as ``<file>:/rank/<r>/<path>: <why>``; 2: usage error. ``--json``
+prints ``{"path", "job_dir", "ok", "steps": [{"step", "dir", "committed", "state", "reason",
+"ok", "datasets", "bytes", "bad": [{"where", "why"}]}]}``.
+
+``export PATH --step S --out FILE [--format pt|safetensors]`` writes the state of one committed
+step as a single-process flat dict ``{state path: tensor}`` (exact dtypes, bfloat16 included):
+``pt`` with ``torch.save`` (loads with ``torch.load(..., weights_only=True)``), ``safetensors``
+when that package is installed (default: from FILE's suffix). A data-parallel checkpoint
+(tp = pp = 1) holds identical replicas: rank 0's tensors are exported. With tp or pp > 1 the
+shards of the ``dp_idx == 0`` ranks are merged along ``shard_dim`` at ``shard_offset``; a tensor
+held by several of them without shard attributes (``shard_dim == -1``) is an error naming it.
+Non-tensor leaves (ints, floats, strings of the tree) are not exported. Exit 0: written;
+1: the step is incomplete, corrupt or cannot be merged; 2: usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+OK, BAD, USAGE = 0, 1, 2
+
+from ftkit.cli.export import cmd_export
+from ftkit.cli.scan import (
+    Bad,
+    ExportError,
+    Progress,
+    StepRef,
+    StepScan,
+    Target,
+    UsageError,
+    _compact,
+    _human,
+    _progress_enabled,
+    resolve,
+    scan,
+)
+
+# --------------------------------------------------------------------------- output helpers
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _when(ts: Any) -> str:
+    if not isinstance(ts, (int, float)):
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _rich() -> Any:
+    """The ``rich`` package when installed and stdout is a terminal, else None."""
+    if not sys.stdout.isatty():
+        return None
+    try:
+        import rich.box
+        import rich.console
+        import rich.table
+    except ImportError:
+        return None
+    return rich
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "",
+           title: str | None = None, right: Sequence[int] = ()) -> None:
+    """Print a table: with ``rich`` on a terminal, else as plain aligned text."""
+    rich = _rich()
+    if rich is not None:
+        t = rich.table.Table(title=title, title_justify="left", box=rich.box.SIMPLE)
+        for i, h in enumerate(headers):
+            t.add_column(h, justify="right" if i in right else "left")
+        for row in rows:
+            t.add_row(*row)
+        rich.console.Console().print(t)
+        return
+    if title:
+        print(title)
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    for row in [list(headers), *rows]:
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths))]
+        print(indent + "  ".join(cells).rstrip())
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1))
+
+
+# --------------------------------------------------------------------------- inspect
+
+def _step_json(sc: StepScan, with_ranks: bool) -> dict[str, Any]:
+    m = sc.meta
+    return {"step": sc.step, "dir": str(sc.ref.dir), "committed": sc.committed,
+            "state": "committed" if sc.committed else "incomplete", "reason": sc.reason,
+            **{k: m.get(k) for k in ("world", "dp", "tp", "pp", "nodes", "job", "time",
+                                     "format")},
+            "files": sc.files, "problems": [str(p) for p in sc.problems],
+            "ranks": ({str(r): e for r, e in sorted(sc.ranks.items())} if with_ranks
+                      else None)}
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    target = resolve(args.path)
+    chosen = target.pick(args.step) if args.step is not None or target.single else \
+        target.newest()
+    scans = [scan(ref, tensors=ref == chosen) for ref in target.steps]
+    if args.json:
+        _print_json({"path": str(target.path),
+                     "job_dir": None if target.job_dir is None else str(target.job_dir),
+                     "selected_step": None if chosen is None else
+                     next(s.step for s in scans if s.ref == chosen),
+                     "steps": [_step_json(s, s.ref == chosen) for s in scans]})
+        return OK
+    _render_inspect(target, scans, chosen)
+    return OK
+
+
+def _render_inspect(target: Target, scans: list[StepScan], chosen: StepRef | None) -> None:
+    if target.job_dir is not None:
+        jobs = {s.meta.get("job") for s in scans} - {None}
+        print(f"job directory {target.job_dir}"
+              + (f" (job {', '.join(sorted(map(str, jobs)))})" if jobs else ""))
+    if not scans:
+        print("no steps")
+        return
+    rows = []
+    for s in scans:
+        m = s.meta
+        rows.append([_fmt(s.step), "committed" if s.committed else "incomplete",
+                     *(_fmt(m.get(k)) for k in ("world", "dp", "tp", "pp", "nodes")),
+                     _when(m.get("time")), s.reason or ""])
+    _table(["step", "state", "world", "dp", "tp", "pp", "nodes", "written", "note"], rows,
+           right=(0, 2, 3, 4, 5, 6))
+    for s in scans:
+        if s.ref == chosen:
+            print()
+            _render_step(s)
+
+
+def _render_step(sc: StepScan) -> None:
+    state = "committed" if sc.committed else f"incomplete: {sc.reason}"
+    print(f"{sc.ref.label} ({state}): {len(sc.ranks)} rank(s) in {sc.ref.dir}")
+    previous: tuple[Any, ...] | None = None
+    shown = -1                      # the last rank printed in full
+    same: list[int] = []            # the ranks after it with the same layout
+
+    def flush_same() -> None:
+        if same:
+            n = len(sc.ranks[same[0]])
+            size = sum(e["nbytes"] for e in sc.ranks[same[0]])
+            print(f"rank(s) {_compact(same)}: same paths, dtypes and shapes as rank {shown} "
+                  f"({n} tensors, {_human(size)} each; --json lists every rank)")
+            same.clear()
+
+    for rank, entries in sorted(sc.ranks.items()):
+        layout = tuple((e["path"], e["dtype"], tuple(e["shape"])) for e in entries)
+        if layout == previous:
+            same.append(rank)
+            continue
+        flush_same()
+        previous, shown = layout, rank
+        info = sc.rank_info.get(rank, {})
+        coords = " ".join(f"{k[:-4]} {info[k]}" for k in ("dp_idx", "tp_idx", "pp_idx")
+                          if k in info)
+        rows = [[e["path"], e["dtype"], str(e["shape"]), str(e["nbytes"])] for e in entries]
+        total = sum(e["nbytes"] for e in entries)
+        _table(["path", "dtype", "shape", "bytes"], rows, indent="  ", right=(3,),
+               title=f"rank {rank}  {Path(info.get('file', '?')).name}  {coords}".rstrip())
+        print(f"  {len(entries)} tensors, {_human(total)}")
+    flush_same()
+    if sc.problems:
+        print("problems:")
+        for p in sc.problems:
+            print(f"  {p}")
+
+
+# --------------------------------------------------------------------------- verify
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    target = resolve(args.path)
+    refs = [target.pick(args.step)] if args.step is not None or target.single else target.steps
+    results = []
+    for ref in refs:
+        if not ref.state()[0]:
+            sc = StepScan(ref, *ref.state())
+            sc.problems.append(Bad(str(ref.dir), f"incomplete: {sc.reason}"))
+        else:
+            progress = Progress(f"verify {ref.label}", _progress_enabled(args.json))
+            sc = scan(ref, verify=True, progress=progress)
+        results.append(sc)
+    ok = bool(results) and not any(s.problems for s in results)
+    if args.json:
+        _print_json({"path": str(target.path),
+                     "job_dir": None if target.job_dir is None else str(target.job_dir),
+                     "ok": ok,
+                     "steps": [{"step": s.step, "dir": str(s.ref.dir), "committed": s.committed,
+                                "state": "committed" if s.committed else "incomplete",
+                                "reason": s.reason, "ok": not s.problems,
+                                "datasets": s.checked, "bytes": s.checked_bytes,
+                                "bad": [dataclasses.asdict(p) for p in s.problems]}
+                               for s in results]})
+        return OK if ok else BAD
+    for s in results:
+        if not s.problems:
+            print(f"{s.ref.label}: ok ({s.checked} datasets, {_human(s.checked_bytes)})")
+            continue
+        print(f"{s.ref.label}: {'BAD' if s.committed else 'INCOMPLETE'}")
+        for p in s.problems:
+            print(f"  {p}")
+    if not results:
+        print(f"ftkit verify: no steps in {target.path}")
+    elif ok:
+        print(f"ftkit verify: {len(results)} step(s) intact")
+    else:
+        nbad = sum(1 for s in results if s.problems)
+        print(f"ftkit verify: {nbad} of {len(results)} step(s) corrupt or incomplete")
+    return OK if ok else BAD
+
+
+# --------------------------------------------------------------------------- entry
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``args.command`` (inspect/verify/export); returns the exit status."""
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"ftkit {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return USAGE
+    except ExportError as exc:
+        print(f"ftkit {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return BAD
+
