@@ -41,6 +41,7 @@ class PfsLevel:
         self.config, self.topo, self.local, self.faults = config, topo, local, faults
         self.dc = dc                                          # world
         self.node_dc = DistComm(topo.node_comm, dc.timeout)   # this node's ranks
+        hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
 
     def step_dir(self, step: int) -> Path:
         return self.config.job_pfs_dir / f"step-{step}"
