@@ -35,29 +35,23 @@ import os
 import platform
 import resource
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _mpi
+from _common import init_torch_distributed
 
 GOAL = 1.5
 N_TENSORS = 8
 #: (ftkit method, peer it is held to the goal against)
 GOALS = {"ftkit_hdf5_save": "torch_dcp_save", "ftkit_hdf5_load": "torch_dcp_load"}
 
-
-def _launch(args: argparse.Namespace) -> int:
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("FTKIT_RANKS_PER_NODE", None)       # the topology comes from --ranks-per-node
-    cmd = [str(mpiexec), "--oversubscribe", "--bind-to", "none", "-n", str(args.ranks),
-           sys.executable, "-m", "mpi4py", __file__, *sys.argv[1:], "--child"]
-    return subprocess.call(cmd, env=env, timeout=1800)
 
 
 # ------------------------------------------------------------------------ the state
@@ -168,19 +162,6 @@ def _rm(comm: Any, *paths: Path) -> None:
     comm.Barrier()
 
 
-def _init_gloo(comm: Any) -> None:
-    import torch.distributed as dist
-    port = 0
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size,
-                            timeout=timedelta(seconds=600))
-
 
 def _child(args: argparse.Namespace) -> None:
     import torch
@@ -207,7 +188,7 @@ def _child(args: argparse.Namespace) -> None:
         cfg = Config.load(env={}, levels="local:1,pfs:1", async_=False,
                           local_dir=str(local_root), pfs_dir=str(pfs_root), job="bench",
                           timeout=600.0)
-        _init_gloo(comm)
+        init_torch_distributed(comm, timeout_s=600)
         t: dict[str, float] = {}
         skipped: dict[str, str] = {}
 
@@ -422,25 +403,17 @@ def _report(args: argparse.Namespace, world: int, nodes: int, nbytes: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--size-mib", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = _mpi.parser(__doc__)
     ap.add_argument("--ranks-per-node", type=int, default=0,
                     help="ftkit virtual nodes of this many ranks (0: real nodes)")
     ap.add_argument("--pfs-root", default="/tmp",
                     help="directory on the file system all methods write to")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 256 KiB per rank, one repeat")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.repeat = 1
-    if args.child:
-        _child(args)
-    else:
-        sys.exit(_launch(args))
+    _mpi.run(__file__, args, _child)
 
 
 if __name__ == "__main__":

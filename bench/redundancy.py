@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,13 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _launch(args: argparse.Namespace) -> int:
-    mpiexec = Path(sys.executable).with_name("mpiexec")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [str(mpiexec), "--oversubscribe", "--bind-to", "none", "-n", str(args.ranks),
-           sys.executable, "-m", "mpi4py", __file__, *sys.argv[1:], "--child"]
-    return subprocess.call(cmd, env=env, timeout=1800)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _mpi
 
 
 def _timed(comm, fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
@@ -122,17 +116,7 @@ def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--size-mib", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        _child(args)
-    else:
-        sys.exit(_launch(args))
+    _mpi.run(__file__, _mpi.parser(__doc__).parse_args(), _child)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,18 @@ def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     adv.set_defaults(func=_cmd_advise)
 
 
+def _checkpoint_args(p: argparse.ArgumentParser, step_help: str, *, json_flag: bool = True
+                     ) -> None:
+    """PATH, --step (and --json) of the HDF5 checkpoint tools."""
+    p.add_argument("path", metavar="PATH",
+                   help="job directory ($FTKIT_PFS_DIR/<job>), a step-<s> directory or a "
+                        "step's ftkit.h5")
+    p.add_argument("--step", type=_non_negative_int, metavar="S", help=step_help)
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_checkpoint_tool)
+
+
 def _add_inspect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit inspect PATH [--step S] [--json]`` (body in :mod:`ftkit.cli.checkpoints`)."""
     p = sub.add_parser(
@@ -111,12 +123,7 @@ def _add_inspect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         description="List the steps of a PFS checkpoint (committed or incomplete) with world, "
                     "dp, tp and pp, and every tensor of every rank (path, dtype, shape, bytes) "
                     "of one step: --step, or the newest committed step.")
-    p.add_argument("path", metavar="PATH",
-                   help="job directory ($FTKIT_PFS_DIR/<job>), a step-<s> directory or a "
-                        "step's ftkit.h5")
-    p.add_argument("--step", type=_non_negative_int, metavar="S", help="step to list")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_checkpoint_tool)
+    _checkpoint_args(p, "step to list")
 
 
 def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,11 +134,7 @@ def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "every step of the job directory) through the index's links. Exit 0: "
                     "intact; 1: a dataset is corrupt or unreadable, or a step is incomplete; "
                     "2: usage error.")
-    p.add_argument("path", metavar="PATH",
-                   help="job directory, a step-<s> directory or a step's ftkit.h5")
-    p.add_argument("--step", type=_non_negative_int, metavar="S", help="step to verify")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_checkpoint_tool)
+    _checkpoint_args(p, "step to verify")
 
 
 def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -142,15 +145,11 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "dict: rank 0's for data-parallel checkpoints, shards merged along "
                     "shard_dim for TP/PP. Exit 0: written; 1: incomplete, corrupt or "
                     "unmergeable; 2: usage error.")
-    p.add_argument("path", metavar="PATH",
-                   help="job directory, a step-<s> directory or a step's ftkit.h5")
-    p.add_argument("--step", type=_non_negative_int, metavar="S",
-                   help="step to export (required for a job directory)")
+    _checkpoint_args(p, "step to export (required for a job directory)", json_flag=False)
     p.add_argument("--out", required=True, metavar="FILE", help="file to write")
     p.add_argument("--format", choices=("pt", "safetensors"),
                    help="pt: torch.save (default); safetensors: needs that package "
                         "(default for a .safetensors FILE)")
-    p.set_defaults(func=_cmd_checkpoint_tool)
 
 
 def _cmd_checkpoint_tool(args: argparse.Namespace) -> int:

@@ -20,8 +20,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ftkit.cli.scan import dataset_checksum
 from ftkit.cli.main import main
+from ftkit.cli.scan import dataset_checksum
 from ftkit.storage import hdf5
 from ftkit.storage.shard import checksum
 from tests.e2e.jobs import REPO, run_toy
