@@ -77,17 +77,18 @@ class Checkpointer:
         t0 = time.monotonic()
         found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
                                   foreign_ok=self.pfs is not None)
-        if found.step:
-            recovery.load(self.dc, self.levels, self.faults, found.step, state)
-            self.last_committed = found.step
-        elif self.pfs is not None:
-            pfs_step = recovery.restore_from_pfs(self.dc, self.pfs, state, self._emit)
+        if self.pfs is not None:      # the PFS may hold a newer step than the local levels
+            pfs_step = recovery.restore_from_pfs(self.dc, self.pfs, state, self._emit,
+                                                 newer_than=found.step)
             if pfs_step:
                 self._emit("restore", step=pfs_step, level="pfs",
                            seconds=round(time.monotonic() - t0, 6))
                 self.last_committed = pfs_step
                 self._foreign_local = found.foreign is not None
                 return pfs_step
+        if found.step:
+            recovery.load(self.dc, self.levels, self.faults, found.step, state)
+            self.last_committed = found.step
         if found.foreign is not None and not found.step:
             raise found.foreign       # nothing usable anywhere: never overwrite those steps
         self._after_restore(found)

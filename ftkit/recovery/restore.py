@@ -162,10 +162,12 @@ def source_rank(step_dir: Any, topo: Any) -> int:
 
 
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
-                     emit: Callable[..., None]) -> int:
-    """Load the newest committed PFS step every rank can read intact; a different DP size
-    is resharded (see :func:`source_rank`). 0 when there is none. All ranks call."""
-    candidates = dc.bcast(pfs.committed_steps() if dc.rank == 0 else None, "restore-discover")
+                     emit: Callable[..., None], newer_than: int = 0) -> int:
+    """Load the newest committed PFS step newer than ``newer_than`` that every rank can read
+    intact; a different DP size is resharded (see :func:`source_rank`). 0 when there is
+    none. All ranks call."""
+    candidates = dc.bcast([s for s in pfs.committed_steps() if s > newer_than]
+                          if dc.rank == 0 else None, "restore-discover")
     for step in candidates:
         failure = None
         loaded: Any = None
@@ -186,7 +188,8 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
             continue
         dc.run(functools.partial(load_into, state, loaded, step), "restore-load", step)
         if dc.rank == 0:
-            log.warning("restore: node-local levels hold no usable step; restored step %d "
-                        "from the PFS level (%s)", step, pfs.step_dir(step))
+            log.warning("restore: node-local levels hold no usable step newer than %d; "
+                        "restored step %d from the PFS level (%s)", newer_than, step,
+                        pfs.step_dir(step))
         return step
     return 0

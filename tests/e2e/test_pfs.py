@@ -26,7 +26,7 @@ def test_all_local_dirs_lost_restore_from_hdf5(tmp_path: Path,
     res = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=LEVELS)
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
-    assert "restored step 6 from the PFS level" in res.stderr
+    assert "restored step 6 from the PFS level" in res.stderr, res.tail()
     restores = [e for e in res.events() if e["event"] == "restore" and e.get("level") == "pfs"]
     assert [e["step"] for e in restores] == [6]
     assert res.done["digest"] == reference_digest(4, 8)
@@ -83,3 +83,19 @@ def test_restore_on_another_dp_size(n: int, rpn: int, tmp_path: Path) -> None:
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
     assert _loss_at(res, 7) == pytest.approx(_loss_at(original, 7), rel=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_newer_pfs_step_wins_over_older_local_step(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """Local step 6 of rank 1 is corrupted, so the local levels can only offer step 5; the
+    PFS holds step 6 intact: restore takes the newest, step 6, from the PFS."""
+    from ftkit.testing.faults import flip_byte
+    first = run_toy(tmp_path, steps=6, max_restarts=0, FTKIT_LEVELS=LEVELS)
+    assert first.rc == 0, first.tail()
+    flip_byte(first.local / "node-0" / "step-6" / "rank-1.ftk")
+    res = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=LEVELS)
+    assert res.rc == 0, res.tail()
+    assert res.starts[0]["step"] == 6
+    assert "restored step 6 from the PFS level" in res.stderr, res.tail()
+    assert res.done["digest"] == reference_digest(4, 8)
