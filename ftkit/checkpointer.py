@@ -26,7 +26,7 @@ from ftkit.config import IMPLEMENTED_LEVELS, Config
 from ftkit.errors import CheckpointError, ConfigError, ProtocolTimeout
 from ftkit.events import append_event
 from ftkit.log import setup_rank_logging
-from ftkit.protocol.twophase import Snapshot, TwoPhase, raise_if_failed
+from ftkit.protocol.twophase import Snapshot, TwoPhase, commit_record, raise_if_failed
 from ftkit.recovery import restore as recovery
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
@@ -207,9 +207,8 @@ class Checkpointer:
         keep = set(usable[:2]) | set(self.level_last.values())
         if found.step and self.topo.is_node_leader and not self.local.is_committed(found.step):
             write_record(self.local.step_dir(found.step) / COMMITTED,
-                         {"step": found.step, "decision": "commit", "time": time.time(),
-                          "world": self.topo.world, "levels": found.levels_of[found.step],
-                          "completed_by": "restore"})
+                         commit_record(found.step, self.topo.world,
+                                       found.levels_of[found.step], completed_by="restore"))
         self.local.retain(keep)
         self.dc.barrier("restore-load", found.step)
 

@@ -20,16 +20,16 @@ from ftkit.cli.scan import (
     StepRef,
     UsageError,
     _compact,
-    _datasets,
     _entry,
     _h5py,
     _human,
     _open,
     _py,
-    _raw,
     _why,
     resolve,
 )
+from ftkit.storage.hdf5 import datasets as _datasets
+from ftkit.storage.hdf5 import raw_bytes as _raw
 
 # --------------------------------------------------------------------------- export
 

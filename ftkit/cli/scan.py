@@ -17,6 +17,8 @@ import numpy as np
 import xxhash
 
 from ftkit.storage.hdf5 import FORMAT, INDEX
+from ftkit.storage.hdf5 import datasets as _datasets
+from ftkit.storage.hdf5 import raw_bytes as _raw
 from ftkit.storage.shard import checksum
 
 OK, BAD, USAGE = 0, 1, 2
@@ -211,11 +213,6 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _raw(a: Any) -> np.ndarray:
-    """The bytes of an array read from a dataset, as a flat uint8 array."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
 def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES) -> str:
     """xxh3-64 of a dataset's bytes in C order (the value :func:`ftkit.storage.shard.checksum`
     gives for the whole array), read in blocks of about ``block_bytes`` along the first axis."""
@@ -242,12 +239,6 @@ def _entry(ds: Any, file: Path) -> dict[str, Any]:
             "nbytes": int(ds.nbytes), "checksum": str(a["checksum"]),
             "index": int(a["ftkit_index"]), "file": str(file), "dataset": str(ds.name),
             "shard": shard}
-
-
-def _datasets(grp: Any) -> list[Any]:
-    out: list[Any] = []
-    grp.visititems(lambda _n, obj: out.append(obj) if hasattr(obj, "dtype") else None)
-    return out
 
 
 def _count_tensors(node: Any) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -128,10 +128,6 @@ class TwoPhase:
             return describe(exc)
         return None
 
-    def _record(self, step: int, levels: tuple[str, ...]) -> dict[str, Any]:
-        return {"step": step, "decision": "commit", "time": time.time(),
-                "world": self.dc.size, "levels": list(levels)}
-
     def _decide(self, step: int, votes: list[str | None], levels: tuple[str, ...]
                 ) -> dict[str, Any]:
         """Coordinator: decide, record a commit durably, then return the announcement."""
@@ -141,7 +137,7 @@ class TwoPhase:
             self.faults.fire("decide", step)
             if commit:
                 for level in self.levels.values():
-                    level.record_commit(step, self._record(step, levels))
+                    level.record_commit(step, commit_record(step, self.dc.size, levels))
         except Exception as exc:  # noqa: BLE001 - no durable record: abort
             failures[self.dc.rank] = describe(exc)
             commit = False
@@ -154,7 +150,7 @@ class TwoPhase:
             if self.dc.rank != COORDINATOR:
                 self.faults.fire("decide", step)
             self.faults.fire("commit", step)
-            record = self._record(step, levels)
+            record = commit_record(step, self.dc.size, levels)
             for level in (self.levels[name] for name in levels if name in self.levels):
                 if decision["commit"]:
                     level.commit(step, record)
@@ -163,6 +159,13 @@ class TwoPhase:
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             return describe(exc)
         return None
+
+
+def commit_record(step: int, world: int, levels: Sequence[str], **extra: Any
+                  ) -> dict[str, Any]:
+    """The content of a COMMITTED record (read back by restore: world size and levels)."""
+    return {"step": step, "decision": "commit", "time": time.time(), "world": world,
+            "levels": list(levels), **extra}
 
 
 def raise_if_failed(out: Outcome) -> None:

@@ -51,18 +51,14 @@ def _erasure(levels: Levels, plan: Plan, reports: Sequence[Report]) -> None:
 def _verify(levels: Levels, plan: Plan, world: int) -> None:
     if levels.local.rank not in plan.lost:
         return
-    with levels.local.open_shard(plan.step) as shard:
-        shard.check_identity(rank=levels.local.rank, step=plan.step, world=world)
-        shard.verify()
+    levels.local.check_shard(plan.step, world)
 
 
 def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[str]) -> Report:
     """What this rank holds intact for ``step`` (own shard, partner copies, parity). Local."""
     report: Report = {"own": None}
     try:
-        with levels.local.open_shard(step) as shard:
-            shard.check_identity(rank=levels.local.rank, step=step, world=world)
-            shard.verify()
+        levels.local.check_shard(step, world)
     except CorruptCheckpointError as exc:
         report["own"] = str(exc)
     if levels.partner is not None and "partner" in step_levels:

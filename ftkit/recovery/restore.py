@@ -38,7 +38,6 @@ class Discovery:
     committed: list[int]            # every step committed somewhere, newest first
     skipped: dict[int, str]         # step -> why it was not usable
     levels_of: dict[int, list[str]]  # step -> levels it was saved with
-    rebuilt: list[int] = dataclasses.field(default_factory=list)
     foreign: CheckpointError | None = None   # local steps of another world size (untouched)
 
 
@@ -70,7 +69,7 @@ def discover(dc: DistComm, levels: Levels, faults: Faults,
             plan.unrecoverable = _try_rebuild(dc, levels, faults, plan, reports,
                                               levels_of[step], emit, nodes)
         if plan.ok:
-            found.step, found.rebuilt = step, plan.lost
+            found.step = step
             return found
         found.skipped[step] = str(plan.unrecoverable)
         failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}

@@ -140,9 +140,9 @@ def read_rank(step_dir: Path, rank: int, *, verify: bool = True
             grp = h5[f"rank/{rank}"]
             attrs = {k: grp.attrs[k] for k in grp.attrs}
             entries, arrays = [], []
-            for ds in _datasets(grp):
+            for ds in datasets(grp):
                 a = ds.attrs
-                raw = np.ascontiguousarray(ds[()]).reshape(-1).view(np.uint8)
+                raw = raw_bytes(ds[()])
                 entry = {"path": str(a["ftkit_path"]), "kind": str(a["ftkit_kind"]),
                          "dtype": str(a["ftkit_dtype"]), "checksum": str(a["checksum"]),
                          "index": int(a["ftkit_index"]), "name": ds.name,
@@ -159,6 +159,11 @@ def read_rank(step_dir: Path, rank: int, *, verify: bool = True
     return attrs, [entries[i] for i in order], [arrays[i] for i in order]
 
 
+def raw_bytes(a: Any) -> np.ndarray:
+    """The bytes of an array read from a dataset, as a flat uint8 array (C order)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
 def read_index_attrs(step_dir: Path) -> dict[str, Any]:
     """Attributes of ``step_dir/ftkit.h5`` (CorruptCheckpointError when unreadable)."""
     try:
@@ -169,20 +174,8 @@ def read_index_attrs(step_dir: Path) -> dict[str, Any]:
                                      level="pfs") from exc
 
 
-def _datasets(grp: Any) -> list[Any]:
+def datasets(grp: Any) -> list[Any]:
+    """Every dataset below an h5py group (links followed), in visiting order."""
     out: list[Any] = []
     grp.visititems(lambda _n, obj: out.append(obj) if hasattr(obj, "dtype") else None)
     return out
-
-
-def bad_datasets(path: Path) -> list[str]:
-    """Every dataset of an HDF5 file (or index, following links) whose checksum is wrong."""
-    h5py = _h5py()
-    bad = []
-    with h5py.File(path, "r") as h5:
-        for name in sorted(h5.get("rank", {})):
-            for ds in _datasets(h5[f"rank/{name}"]):
-                raw = np.ascontiguousarray(ds[()]).reshape(-1).view(np.uint8)
-                if checksum(raw) != ds.attrs.get("checksum"):
-                    bad.append(f"{ds.file.filename}:{ds.name}")
-    return bad

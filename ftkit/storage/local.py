@@ -148,9 +148,17 @@ class LocalLevel(Level):
         return {s: {"committed": self.is_committed(s), "have": self.shard_path(s).is_file()}
                 for s in self.steps()}
 
-    def open_shard(self, step: int) -> Shard:
+    def _existing(self, step: int) -> Path:
         path = self.shard_path(step)
         if not path.is_file():
             raise CorruptCheckpointError(str(path), "shard is missing", rank=self.rank,
                                          step=step, level=self.name)
-        return Shard.open(path, rank=self.rank, step=step, level=self.name)
+        return path
+
+    def check_shard(self, step: int, world: int) -> None:
+        """Verify this rank's shard of ``step`` completely (CorruptCheckpointError). Local."""
+        Shard.check(self._existing(step), rank=self.rank, step=step, world=world,
+                    level=self.name)
+
+    def open_shard(self, step: int) -> Shard:
+        return Shard.open(self._existing(step), rank=self.rank, step=step, level=self.name)

@@ -57,9 +57,7 @@ class PartnerLevel(Level):
             if not path.exists():
                 continue
             try:
-                with Shard.open(path, rank=q, step=step, level=self.name) as shard:
-                    shard.check_identity(rank=q, step=step, world=world, level=self.name)
-                    shard.verify(level=self.name)
+                Shard.check(path, rank=q, step=step, world=world, level=self.name)
                 out[q] = None
             except CorruptCheckpointError as exc:
                 log.warning("partner copy unusable: %s", exc)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.comm.dist import DistComm
-from ftkit.comm.topology import Topology
+from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
 from ftkit.errors import CheckpointError
 from ftkit.storage import hdf5
@@ -99,7 +99,6 @@ class PfsLevel:
         self.faults.after_write(node_file, level=self.name, step=step, ranks=list(topo))
 
     def _coords(self, rank: int) -> dict[str, Any]:
-        from ftkit.comm.topology import coords_of
         c = coords_of(rank, self.topo.dp, self.topo.tp, self.topo.pp)
         return {"dp_idx": c.dp, "tp_idx": c.tp, "pp_idx": c.pp, "node": self.topo.rank_node[rank]}
 

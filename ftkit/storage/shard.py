@@ -186,6 +186,15 @@ class Shard:
         shard.check_identity(rank=rank, step=step, level=level)
         return shard
 
+    @classmethod
+    def check(cls, path: Path, *, rank: int, step: int, world: int,
+              level: str = "local") -> None:
+        """Open ``path`` and verify it completely: preamble, header, identity (rank, step,
+        world size) and every tensor's checksum. Raises CorruptCheckpointError."""
+        with cls.open(path, rank=rank, step=step, level=level) as shard:
+            shard.check_identity(rank=rank, step=step, world=world, level=level)
+            shard.verify(level=level)
+
     def check_identity(self, *, rank: int | None, step: int | None, world: int | None = None,
                        level: str = "local") -> None:
         """Raise CorruptCheckpointError if the shard is not the expected rank/step/world."""
