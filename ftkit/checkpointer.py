@@ -1,12 +1,21 @@
 """The public entry point: :class:`Checkpointer` (DESIGN §2).
 
-``save`` captures the state on the calling thread (phase ``capture``) and, with
-``FTKIT_ASYNC=1``, runs the rest of the protocol on one background thread over a duplicated
-communicator. A new ``save`` first waits for the previous checkpoint to finish, so versions
-never interleave and the staging buffers can be reused.
+``save`` captures the state (phase ``capture``) and, with ``FTKIT_ASYNC=1``, returns at
+once: parameters and optimizer state are staged to host memory by a worker thread (GPU: a
+side CUDA stream into pinned buffers) while the next forward/backward runs, and the rest
+of the protocol runs on one background thread over a duplicated communicator. Training
+blocks only when
+
+* ``optimizer.step()`` is about to change parameters whose staging is unfinished (a step
+  pre-hook on every optimizer in the state calls :meth:`Checkpointer.wait_staged`), or
+* the next ``save`` needs the staging buffers while the previous snapshot has not been
+  written to the node-local level yet (buffers are allocated once and reused).
+
+Protocols run one after another on the background thread, so versions never interleave.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import os
@@ -18,8 +27,9 @@ from typing import Any
 from mpi4py import MPI
 
 from ftkit import __version__
-from ftkit.capture.flatten import flatten
-from ftkit.capture.staging import Stager
+from ftkit.capture.flatten import TensorLeaf, flatten
+from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
+from ftkit.capture.staging import Stager, Staging
 from ftkit.comm.dist import DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import IMPLEMENTED_LEVELS, Config
@@ -54,18 +64,24 @@ class Checkpointer:
                                 faults=self.faults)
         self._prepare_dirs()
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
-        self.pfs = PfsLevel(config, topo, self.local, self.dc, self.faults) \
-            if config.interval("pfs") else None
+        self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
+                            self.faults) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit)
-        self.stager = Stager()
         self.last_committed: int | None = None
         self.level_last: dict[str, int] = {}     # newest committed step of every level
-        self.blocked_seconds: list[float] = []
+        self.blocked_seconds: list[float] = []   # every time training waited for ftkit
         self._async = config.async_ and self._threads_ok()
+        self.stager = Stager(background=self._async)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-ckpt") if self._async \
             else None
-        self._pending: cf.Future[None] | None = None
+        self._pending: cf.Future[None] | None = None       # protocol of the newest snapshot
+        self._flusher = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-flush") \
+            if self._async and self.pfs is not None else None
+        self._flushes: collections.deque[cf.Future[None]] = collections.deque()
+        self._flushing: set[int] = set()         # steps being flushed: retention keeps them
+        self._staging: Staging | None = None
+        self._guard = OptimizerGuard(self.wait_staged)
         self._closed = False
         self._foreign_local = False
 
@@ -100,8 +116,11 @@ class Checkpointer:
 
     def save(self, step: int, state: State) -> None:
         """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
-        ``step``. Returns after ``capture`` when async. All ranks call, with the same step."""
-        self.wait()
+        ``step``. Async: returns once the state is captured (parameters and optimizer state
+        may still be staging; see :meth:`wait_staged`) after the previous checkpoint's
+        commit (whose CheckpointError it raises). All ranks call, with the same step."""
+        t0 = time.perf_counter()
+        self._settle()
         self.faults.fire("between", step)
         if self.last_committed is not None and step <= self.last_committed:
             raise CheckpointError(step, {}, message=(
@@ -110,24 +129,34 @@ class Checkpointer:
         levels = self.config.levels_due(step)
         if not levels:
             return
-        t0 = time.perf_counter()
         snap = self._capture(step, levels, state)
+        self._staging = snap.staging
         self.blocked_seconds.append(time.perf_counter() - t0)
         if self._pool is not None:
             self._pending = self._pool.submit(self._protocol, snap)
         else:
             self._protocol(snap)
 
-    def wait(self) -> None:
-        """Wait for the background checkpoint, re-raising its CheckpointError. Local."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def wait_staged(self) -> None:
+        """Block until the newest snapshot is fully staged, so its tensors may change.
+        Local. Every optimizer in the saved state calls it before ``step()``; call it
+        yourself before changing parameters or optimizer state any other way."""
+        staging, self._staging = self._staging, None
+        if staging is None or staging.done():
             return
+        t0 = time.perf_counter()
         try:
-            pending.result(timeout=self.config.timeout * 6)
+            staging.wait(timeout=self._patience)
         except cf.TimeoutError:
-            self._abort(f"background checkpoint did not finish within "
-                        f"{self.config.timeout * 6:g} s")
+            self._abort(f"staging did not finish within {self._patience:g} s")
+        self.blocked_seconds.append(time.perf_counter() - t0)
+
+    def wait(self) -> None:
+        """Wait for every background checkpoint and flush, re-raising the first
+        CheckpointError. Local."""
+        self._settle()
+        while self._flushes:
+            self._result(self._flushes.popleft(), "PFS flush")
 
     def close(self) -> None:
         """Finish background work, then mark the job complete once every rank got here.
@@ -138,8 +167,11 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            self._guard.remove()
+            self.stager.close()
+            for pool in (self._pool, self._flusher):
+                if pool is not None:
+                    pool.shutdown(wait=True)
         self.dc.barrier("close")
         done = os.environ.get("FTKIT_DONE_FILE")
         if done and self.topo.rank == 0:
@@ -149,19 +181,37 @@ class Checkpointer:
                                   "last_committed": self.last_committed, "time": time.time()})
         self.levels.free()
         if self.pfs is not None:
-            self.pfs.node_dc.free()
+            self.pfs.free()
         self.dc.free()
 
     # -------------------------------------------------------------- internals
+    @property
+    def _patience(self) -> float:
+        """How long a local wait on background work may take before the job is aborted."""
+        return self.config.timeout * 6
+
+    def _settle(self) -> None:
+        """Wait for the newest snapshot's commit (its buffers are free again then) and
+        re-raise errors of finished flushes. Local."""
+        while self._flushes and self._flushes[0].done():
+            self._flushes.popleft().result()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._result(pending, "background checkpoint")
+
+    def _result(self, future: cf.Future[None], what: str) -> None:
+        try:
+            future.result(timeout=self._patience)
+        except cf.TimeoutError:
+            self._abort(f"{what} did not finish within {self._patience:g} s")
+
     def _capture(self, step: int, levels: tuple[str, ...], state: State) -> Snapshot:
         snap = Snapshot(step, levels)
         try:
             self.faults.fire("capture", step)
             tree, leaves = flatten(state)
-            snap.buffers = self.stager.capture(leaves)
-            for leaf in leaves:
-                leaf.source = None          # no reference to live tensors past capture
             snap.tree, snap.leaves = tree, leaves
+            snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state))
             snap.meta = {"job": self.config.job, "step": step, "rank": self.topo.rank,
                          "world": self.topo.world, "topology": self.topo.describe(),
                          "time": time.time(), "ftkit": __version__}
@@ -171,7 +221,28 @@ class Checkpointer:
             snap.failure = describe(exc)
         return snap
 
+    def _deferrable(self, state: State) -> Any:
+        """Predicate for leaves staged in the background: tensors of guarded optimizers."""
+        if self._pool is None:
+            return lambda leaf: False
+        optimizers = optimizers_in(state)
+        self._guard.install(optimizers)
+        ptrs = guarded_storage(optimizers)
+
+        def deferrable(leaf: TensorLeaf) -> bool:
+            return leaf.kind == "torch" and leaf.source.data_ptr() in ptrs
+        return deferrable
+
     def _protocol(self, snap: Snapshot) -> None:
+        if snap.staging is not None:
+            try:
+                error = snap.staging.wait(timeout=self._patience)
+            except cf.TimeoutError:
+                error = TimeoutError(f"staging took longer than {self._patience:g} s")
+            if error is not None and snap.failure is None:
+                log.error("rank %d: staging of step %d failed: %s", self.topo.rank, snap.step,
+                          describe(error))
+                snap.failure = describe(error)
         try:
             out = self.proto.run(snap)
         except ProtocolTimeout as exc:
@@ -182,14 +253,32 @@ class Checkpointer:
             self.level_last.update({name: snap.step for name in snap.levels})
         raise_if_failed(out)
         if self.pfs is not None and "pfs" in snap.levels:
-            seconds = self.pfs.flush(snap.step)
-            self._emit("flush", step=snap.step, seconds=round(seconds, 6),
-                       dir=str(self.pfs.step_dir(snap.step)))
+            self._start_flush(snap.step)
+
+    def _start_flush(self, step: int) -> None:
+        """Flush committed ``step`` to the PFS: on the flush thread when async, after the
+        previous flush (back-pressure: at most one flush in flight)."""
+        if self._flusher is None:
+            self._flush(step)
+            return
+        for older in list(self._flushes):
+            older.exception(timeout=self._patience)     # its error reaches the caller later
+        self._flushing.add(step)
+        self._flushes.append(self._flusher.submit(self._flush, step))
+
+    def _flush(self, step: int) -> None:
+        assert self.pfs is not None
+        try:
+            seconds = self.pfs.flush(step)
+        finally:
+            self._flushing.discard(step)
+        self._emit("flush", step=step, seconds=round(seconds, 6),
+                   dir=str(self.pfs.step_dir(step)))
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
         newest committed one on this node when this Checkpointer has not seen a commit)."""
-        keep = {step} | set(self.level_last.values())
+        keep = {step} | set(self.level_last.values()) | self._flushing
         if self._foreign_local:     # restored from PFS into another world: keep those steps
             keep |= set(self.local.steps())
         if self.last_committed is None:

@@ -17,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
+from ftkit.capture.staging import Staging
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.level import Level
+from ftkit.storage.local import LocalLevel
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -38,10 +40,7 @@ class Snapshot:
     buffers: list[np.ndarray] = dataclasses.field(default_factory=list)
     failure: str | None = None
     captured_at: float = dataclasses.field(default_factory=time.time)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+    staging: Staging | None = None     # background part of capture, if any
 
 
 @dataclasses.dataclass
@@ -100,10 +99,18 @@ class TwoPhase:
         if not redundant:
             return failure
         if failure is None:
-            failure = self._guard(lambda: self.faults.fire("encode", step), step)
+            failure = self._guard(lambda: self._before_encode(step), step)
         if self.dc.agree(failure, "encode", step):
             return failure
         return self._guard(lambda: self._encode(step, redundant), step)
+
+    def _before_encode(self, step: int) -> None:
+        """Re-verify this rank's tentative shard before copies or parity are made from it,
+        so damage between write and encode is never spread to other nodes."""
+        self.faults.fire("encode", step)
+        local = self.levels.get("local")
+        if isinstance(local, LocalLevel):
+            local.check_shard(step, self.dc.size)
 
     def _encode(self, step: int, names: list[str]) -> None:
         for name in names:

@@ -1,7 +1,7 @@
 """Parallel-file-system level: committed steps flushed to self-describing HDF5.
 
-Flush of step ``s`` (phase ``flush``; runs on the checkpoint thread right after ``s`` was
-committed, so the next ``save`` waits for it — back-pressure of one outstanding flush):
+Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators right after
+``s`` was committed; a new flush waits for the previous one — back-pressure of one):
 
 1. every rank sends its node-local permanent shard to its node leader over MPI;
 2. each node leader writes ``step-<s>/node-<id>.h5`` (temp name, fsync, rename);
@@ -39,9 +39,14 @@ class PfsLevel:
     def __init__(self, config: Config, topo: Topology, local: LocalLevel, dc: DistComm,
                  faults: Faults) -> None:
         self.config, self.topo, self.local, self.faults = config, topo, local, faults
-        self.dc = dc                                          # world
+        self.dc = dc                      # world (a DistComm of the PFS level's own)
         self.node_dc = DistComm(topo.node_comm, dc.timeout)   # this node's ranks
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
+
+    def free(self) -> None:
+        """Release the level's communicators (local)."""
+        self.dc.free()
+        self.node_dc.free()
 
     def step_dir(self, step: int) -> Path:
         return self.config.job_pfs_dir / f"step-{step}"

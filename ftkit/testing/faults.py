@@ -114,19 +114,23 @@ class Faults:
 
     def fire(self, phase: str, step: int | None) -> None:
         """Fault hook at the start of ``phase`` (every rank calls it; it is local)."""
+        for i, f in self._matching(phase, step):
+            self._fired.add(i)
+            self._trigger(f, phase, step)
+
+    def _matching(self, phase: str, step: int | None) -> list[tuple[int, Fault]]:
+        out = []
         for i, f in enumerate(self.faults):
             if f.kind == "corrupt" or i in self._fired:
                 continue
             if f.kind == "node":
                 victim = f.node if f.node is not None else self._node_of(f.rank or 0)
-                if victim != self.node or not f.matches(phase=phase, step=step, rank=self.rank,
-                                                        node=self.node, attempt=self.attempt):
+                if victim != self.node:
                     continue
-            elif not f.matches(phase=phase, step=step, rank=self.rank, node=self.node,
-                               attempt=self.attempt):
-                continue
-            self._fired.add(i)
-            self._trigger(f, phase, step)
+            if f.matches(phase=phase, step=step, rank=self.rank, node=self.node,
+                         attempt=self.attempt):
+                out.append((i, f))
+        return out
 
     def _node_of(self, rank: int) -> int | None:
         return self.rank_node[rank] if 0 <= rank < len(self.rank_node) else None

@@ -71,13 +71,25 @@ def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_n
             max_restarts: int = 2, attempt_timeout: int = 240, timeout: int = 600,
             extra: tuple[str, ...] = (), **ftkit_env: str) -> Result:
     """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``)."""
+    return run_example(tmp, TOY, n=n, args=("--steps", str(steps), "--seed", str(seed), *extra),
+                       ranks_per_node=ranks_per_node, max_restarts=max_restarts,
+                       attempt_timeout=attempt_timeout, timeout=timeout, env=ftkit_env)
+
+
+def run_example(tmp: Path, script: str | Path, *, n: int, args: tuple[str, ...] = (),
+                ranks_per_node: int = 2, max_restarts: int = 0, attempt_timeout: int = 300,
+                timeout: int = 900, env: dict[str, str] | None = None,
+                **ftkit_env: str) -> Result:
+    """``ftkit run -n n`` ``script`` (a path, or a name under ``examples/``) with ``args``;
+    ``env`` and ``ftkit_env`` add FTKIT_* variables. Returns the outcome (never hangs past
+    ``timeout``)."""
+    path = Path(script) if Path(script).is_absolute() else REPO / "examples" / script
     cmd = [*FTKIT, "run", "-n", str(n), "--ranks-per-node", str(ranks_per_node),
            "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
-           "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", str(seed),
-           *extra]
+           "--", sys.executable, str(path), *args]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, check=False, cwd=tmp, env=job_env(tmp, **ftkit_env),
-                          capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=tmp,
+                          env=job_env(tmp, **{**(env or {}), **ftkit_env}),
+                          capture_output=True, text=True, timeout=timeout)
     return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0,
                   tmp / "pfs", tmp / "local" / "e2e")

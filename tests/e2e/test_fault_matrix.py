@@ -34,7 +34,7 @@ def expected_resume(phase: str, rank: int) -> int:
 
 
 def _cases() -> list[object]:
-    out = []
+    out: list[object] = []
     for kind in KINDS:
         for phase in PHASES:
             for rank in (3, 0):

@@ -17,13 +17,16 @@ LEVELS = "local:1,pfs:3"
 @pytest.mark.timeout(600)
 def test_all_local_dirs_lost_restore_from_hdf5(tmp_path: Path,
                                                reference_digest: Callable[..., str]) -> None:
-    first = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=LEVELS,
-                    FTKIT_FAULTS="kill:rank=1:step=7:phase=write-local")
+    """Flushes run on their own thread, one at a time: the kill at the start of step 8's flush
+    comes after steps 2, 4 and 6 were flushed (step 8 is committed only node-locally)."""
+    levels = "local:1,pfs:2"
+    first = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=levels,
+                    FTKIT_FAULTS="kill:rank=1:step=8:phase=flush")
     assert first.rc != 0
     flushed = [e["step"] for e in first.events() if e["event"] == "flush"]
-    assert flushed == [3, 6], first.events()
+    assert flushed == [2, 4, 6], first.events()
     shutil.rmtree(first.local)                      # every node's local directory is gone
-    res = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=LEVELS)
+    res = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=levels)
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
     assert "restored step 6 from the PFS level" in res.stderr, res.tail()

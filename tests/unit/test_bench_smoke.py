@@ -68,3 +68,18 @@ def test_redundancy_tiny(tmp_path: Path) -> None:
         _positive(rep[key], ["partner", "xor", "rs"])
     _positive(rep["gb_per_s"], ["p2p", "tmpfs_write", "partner", "xor", "rs"])
     _positive(rep["level_costs_s"], ["partner", "xor", "rs"])
+
+
+@pytest.mark.timeout(TIMEOUT + 30)
+def test_hp_overlap_tiny(tmp_path: Path) -> None:
+    rep = _run("hp_overlap.py", tmp_path, "--steps", "4", "--hidden", "32", "--seq", "16")
+    results = rep["results"]
+    assert set(results) == {"none", "local", "local+partner", "local+partner+pfs",
+                            "local+partner sync"}
+    assert not results["local+partner sync"]["async"] and results["local"]["async"]
+    for name, r in results.items():
+        _positive(r, ["iter_s", "ratio_to_none", "state_mib"])
+        assert r["blocked_s_per_step"] >= 0 and r["blocked_fraction"] >= 0, (name, r)
+    assert results["local"]["blocked_s_per_step"] > 0      # saves did run and were timed
+    assert rep["cores_training"] == 2 and rep["cores_left"] >= 0
+    assert "ratio to none" in rep["_stdout"] and "left to the background" in rep["_stdout"]

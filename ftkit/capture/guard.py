@@ -1,0 +1,63 @@
+"""Which staged tensors may be copied in the background.
+
+A tensor can be staged while training goes on only if nothing changes it before the copy
+has finished. For parameters and optimizer state the only writer is ``optimizer.step()``,
+which ftkit guards with a step pre-hook that waits for staging; those tensors are
+*deferrable*. Everything else (module buffers changed by the next forward, user tensors) is
+copied before ``save`` returns.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def optimizers_in(state: Any) -> list[Any]:
+    """The torch optimizers found in the containers (dicts, lists, tuples) of ``state``."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    return [x for x in _walk(state) if isinstance(x, torch.optim.Optimizer)]
+
+
+def _walk(x: Any) -> Iterator[Any]:
+    yield x
+    if isinstance(x, dict):
+        for v in x.values():
+            yield from _walk(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _walk(v)
+
+
+def guarded_storage(optimizers: list[Any]) -> set[int]:
+    """Data pointers of every parameter and optimizer-state tensor of ``optimizers``."""
+    torch = sys.modules["torch"]
+    ptrs: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            ptrs.update(p.data_ptr() for p in group["params"])
+        for per_param in opt.state.values():
+            ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+    ptrs.discard(0)
+    return ptrs
+
+
+class OptimizerGuard:
+    """Registers ``wait`` as a step pre-hook on each optimizer once; ``remove`` undoes it."""
+
+    def __init__(self, wait: Callable[[], None]) -> None:
+        self._wait = wait
+        self._handles: dict[int, Any] = {}
+
+    def install(self, optimizers: list[Any]) -> None:
+        for opt in optimizers:
+            if id(opt) not in self._handles:
+                self._handles[id(opt)] = opt.register_step_pre_hook(
+                    lambda _opt, _args, _kwargs: self._wait())
+
+    def remove(self) -> None:
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
