@@ -56,7 +56,7 @@ class Checkpointer:
         setup_rank_logging(topo.rank, config.log_level)
         _check_levels(config)
         self.dc = DistComm(topo.comm, config.timeout)
-        root = config.job_local_dir / f"node-{topo.node}"
+        root = config.node_dir(topo.node, os.environ.get("SLURMD_NODENAME"))
         self.faults = Faults(config.faults, rank=topo.rank, node=topo.node,
                              attempt=config.attempt,
                              rank_node=topo.rank_node, node_dir=root)
@@ -67,7 +67,9 @@ class Checkpointer:
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
                             self.faults) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
-                              before_write=self._retain_for, emit=self._emit)
+                              before_write=self._retain_for, emit=self._emit,
+                              stop_requested=_stop_file_exists)
+        self.stop_requested = False       # set on every rank by a committed step's decision
         self.last_committed: int | None = None
         self.level_last: dict[str, int] = {}     # newest committed step of every level
         self.blocked_seconds: list[float] = []   # every time training waited for ftkit
@@ -121,6 +123,8 @@ class Checkpointer:
         commit (whose CheckpointError it raises). All ranks call, with the same step."""
         t0 = time.perf_counter()
         self._settle()
+        if self.stop_requested:
+            self._final_save(step, state)
         self.faults.fire("between", step)
         if self.last_committed is not None and step <= self.last_committed:
             raise CheckpointError(step, {}, message=(
@@ -158,9 +162,9 @@ class Checkpointer:
         while self._flushes:
             self._result(self._flushes.popleft(), "PFS flush")
 
-    def close(self) -> None:
-        """Finish background work, then mark the job complete once every rank got here.
-        All ranks call."""
+    def close(self, *, stopped: bool = False) -> None:
+        """Finish background work, then mark the job complete once every rank got here
+        (``stopped``: ended early on a stop request). All ranks call."""
         if self._closed:
             return
         self._closed = True
@@ -178,7 +182,8 @@ class Checkpointer:
             marker = Path(done)
             marker.parent.mkdir(parents=True, exist_ok=True)
             write_record(marker, {"job": self.config.job, "attempt": self.config.attempt,
-                                  "last_committed": self.last_committed, "time": time.time()})
+                                  "last_committed": self.last_committed, "time": time.time(),
+                                  "stopped": stopped})
         self.levels.free()
         if self.pfs is not None:
             self.pfs.free()
@@ -189,6 +194,22 @@ class Checkpointer:
     def _patience(self) -> float:
         """How long a local wait on background work may take before the job is aborted."""
         return self.config.timeout * 6
+
+    def _final_save(self, step: int, state: State) -> None:
+        """A stop was requested (time limit near): checkpoint ``step`` on every configured
+        level, PFS included, wait for it, close, and end the process cleanly with
+        ``SystemExit(0)`` so a requeued job resumes here. All ranks call (they all saw the
+        same decision)."""
+        levels = tuple(name for name in self.config.levels_all())
+        log.warning("rank %d: stop requested: final checkpoint of step %d on %s",
+                    self.topo.rank, step, ",".join(levels))
+        if self.last_committed is None or step > self.last_committed:
+            snap = self._capture(step, levels, state)
+            self._protocol(snap)
+        self.wait()
+        self._emit("stop", step=self.last_committed, levels=list(levels))
+        self.close(stopped=True)
+        raise SystemExit(0)
 
     def _settle(self) -> None:
         """Wait for the newest snapshot's commit (its buffers are free again then) and
@@ -248,6 +269,7 @@ class Checkpointer:
         except ProtocolTimeout as exc:
             self._abort(str(exc))
             raise
+        self.stop_requested |= out.stop
         if out.committed:
             self.last_committed = snap.step
             self.level_last.update({name: snap.step for name in snap.levels})
@@ -344,6 +366,12 @@ def _check_levels(config: Config) -> None:
         raise ConfigError(f"FTKIT_LEVELS: level(s) {', '.join(todo)} are not implemented in "
                           f"ftkit {__version__} (implemented: {', '.join(IMPLEMENTED_LEVELS)}); "
                           f"set e.g. FTKIT_LEVELS=local:1")
+
+
+def _stop_file_exists() -> bool:
+    """Coordinator: has ``ftkit run`` asked this attempt to stop (``$FTKIT_STOP_FILE``)?"""
+    path = os.environ.get("FTKIT_STOP_FILE", "")
+    return bool(path) and os.path.exists(path)
 
 
 def _flush_logs() -> None:

@@ -118,6 +118,11 @@ class Config:
         """Interval of ``level`` or 0 when the level is not configured."""
         return dict(self.levels).get(level, 0)
 
+    def levels_all(self) -> tuple[str, ...]:
+        """Every configured level, in the order they are written."""
+        names = {name for name, _ in self.levels}
+        return tuple(name for name in LEVEL_NAMES if name in names)
+
     def levels_due(self, step: int) -> tuple[str, ...]:
         """Levels whose interval divides ``step``, in the order they are written."""
         due = {name for name, every in self.levels if step % every == 0}
@@ -126,6 +131,13 @@ class Config:
     @property
     def job_local_dir(self) -> Path:
         return Path(self.local_dir) / self.job
+
+    def node_dir(self, node: int, host: str | None = None) -> Path:
+        """Node-local directory of (virtual) node ``node``. Under Slurm ``host`` is the Slurm
+        node name (``SLURMD_NODENAME``): each Slurm node keeps its own tree, so several
+        slurmd's on one machine behave like separate machines."""
+        base = Path(self.local_dir) / host if host else Path(self.local_dir)
+        return base / self.job / f"node-{node}"
 
     @property
     def job_pfs_dir(self) -> Path:
@@ -172,7 +184,7 @@ _KEYS = {
     "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level",
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
-_RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_ROOT"}
+_RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_ROOT", "FTKIT_STOP_FILE"}
 
 
 def _coerce(field: str, raw: Any, where: str) -> Any:

@@ -214,7 +214,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         spec = RunSpec(n=args.n, cmd=tuple(cmd), ranks_per_node=args.ranks_per_node,
                        spares=args.spares, max_restarts=args.max_restarts,
                        attempt_timeout=args.attempt_timeout)
-        launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec)
+        launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
+                                    spec=spec, cfg=cfg)
         return run_job(spec, cfg, launcher)
     except (ConfigError, LaunchError) as exc:
         return _error("run", exc)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ LAUNCHERS = ("auto", "mpiexec", "srun")
 DEFAULT_ATTEMPT_TIMEOUT = 86400.0
 DEFAULT_KILL_GRACE = 5.0
 TIMEOUT_STATUS = 124
+REQUEUE_FAILED_STATUS = 75          # EX_TEMPFAIL: resubmit to continue
 NO_MARKER_REASON = "exited 0 but the job did not reach Checkpointer.close() on every rank"
 _POLL_S = 0.25        # how often a waiting loop re-checks deadlines (not a synchronisation)
 
@@ -58,15 +60,27 @@ class Launcher(Protocol):
 
 
 def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
-                     mpiexec: str | None = None) -> Launcher:
-    """Pick the launcher: ``auto`` is srun inside a Slurm allocation, mpiexec elsewhere."""
+                     mpiexec: str | None = None, spec: RunSpec | None = None,
+                     cfg: Config | None = None) -> Launcher:
+    """Pick the launcher: ``auto`` is the Slurm launcher (:mod:`ftkit.slurm.launcher`)
+    inside an allocation, plain mpiexec elsewhere (or when ``--mpiexec`` names one)."""
     env = os.environ if env is None else env
     if choice not in LAUNCHERS:
         raise LaunchError(f"unknown launcher {choice!r}; valid: {', '.join(LAUNCHERS)}")
-    if choice == "srun" or (choice == "auto" and "SLURM_JOB_ID" in env and not mpiexec):
-        raise LaunchError("srun launcher arrives with the Slurm issue; "
-                          "use --launcher mpiexec inside an allocation for now")
-    return MpiexecLauncher.detect(mpiexec)
+    mpi = MpiexecLauncher.detect(mpiexec)
+    in_allocation = "SLURM_JOB_ID" in env or "SLURM_JOBID" in env
+    if choice == "srun" or (choice == "auto" and in_allocation and not mpiexec):
+        from ftkit.slurm.env import SlurmEnv
+        from ftkit.slurm.launcher import SlurmLauncher
+        senv = SlurmEnv.from_environ(env)
+        if senv is None or not senv.nodes:
+            raise LaunchError("--launcher srun: not inside a Slurm allocation "
+                              "(no SLURM_JOB_ID / SLURM_JOB_NODELIST)")
+        if spec is None or cfg is None:
+            raise LaunchError("the Slurm launcher needs the run's spec and configuration")
+        return SlurmLauncher(mpi, senv, spec.n, spec.spares,
+                             cfg.job_pfs_dir / "slurm-slots.json")
+    return mpi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +132,20 @@ def done_file_path(cfg: Config, attempt: int) -> Path:
     return Path(os.path.abspath(cfg.job_pfs_dir / f".done-attempt-{attempt}"))
 
 
+def stop_file_path(cfg: Config) -> Path:
+    """Where ``ftkit run`` asks the running attempt to stop (``$FTKIT_STOP_FILE``)."""
+    return Path(os.path.abspath(cfg.job_pfs_dir / ".stop-request"))
+
+
 def attempt_env(base: Mapping[str, str], attempt: int, done_file: Path,
-                ranks_per_node: int | None = None) -> dict[str, str]:
+                ranks_per_node: int | None = None, stop_file: Path | None = None
+                ) -> dict[str, str]:
     """Environment of one attempt: ``base`` plus ``FTKIT_ATTEMPT``/``FTKIT_DONE_FILE``/..."""
     env = dict(base)
     env["FTKIT_ATTEMPT"] = str(attempt)
     env["FTKIT_DONE_FILE"] = str(done_file)
+    if stop_file is not None:
+        env["FTKIT_STOP_FILE"] = str(stop_file)
     if ranks_per_node is not None:
         env["FTKIT_RANKS_PER_NODE"] = str(ranks_per_node)
     return env
@@ -178,13 +200,24 @@ def attempt_line(result: AttemptResult, max_restarts: int) -> str:
 class _Interrupt:
     """SIGINT/SIGTERM received by ``ftkit run``; forwarded to the current attempt's group.
 
-    The first signal is forwarded as is; a second one sends SIGKILL.
+    The first signal is forwarded as is; a second one sends SIGKILL. SIGUSR1 (Slurm's
+    ``--signal=B:USR1@T`` before the time limit) instead creates ``stop_file``: the job takes
+    a final checkpoint on every level and exits cleanly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop_file: Path | None = None) -> None:
         self.signum: int | None = None
         self.at = 0.0
         self.pgid: int | None = None
+        self.stop_file = stop_file
+        self.stop_asked = False
+
+    def stop(self, _signum: int, _frame: Any) -> None:
+        """SIGUSR1 handler: ask the running job to stop after its next checkpoint."""
+        self.stop_asked = True
+        if self.stop_file is not None:
+            self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+            self.stop_file.touch()
 
     def handle(self, signum: int, _frame: Any) -> None:
         """Signal handler (runs in the main thread)."""
@@ -209,6 +242,7 @@ def _forwarding(interrupt: _Interrupt) -> Iterator[None]:
         return
     sigs = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.signal(s, interrupt.handle) for s in sigs}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, interrupt.stop)
     try:
         yield
     finally:
@@ -259,7 +293,8 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     """Launch one attempt, wait for it under the timeout, and judge it."""
     interrupt = interrupt or _Interrupt()
     argv = launcher.command(spec.n, spec.cmd)
-    env = attempt_env(launcher.environ(base_env), attempt, done_file, spec.ranks_per_node)
+    env = attempt_env(launcher.environ(base_env), attempt, done_file, spec.ranks_per_node,
+                      interrupt.stop_file)
     done_file.parent.mkdir(parents=True, exist_ok=True)
     done_file.unlink(missing_ok=True)
     log.info("attempt %d: %s", attempt, " ".join(argv))
@@ -292,9 +327,12 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
     """Run attempts 0..``spec.max_restarts`` until one succeeds; return the exit status."""
     base_env = dict(os.environ if base_env is None else base_env)
     out = sys.stdout if out is None else out
-    if spec.spares:
-        log.warning("--spares %d is recorded but has no effect outside Slurm yet", spec.spares)
-    interrupt = _Interrupt()
+    recover = getattr(launcher, "after_failure", None)      # the Slurm launcher has it
+    if spec.spares and recover is None:
+        log.warning("--spares %d has no effect outside a Slurm allocation", spec.spares)
+    stop_file = stop_file_path(cfg)
+    stop_file.unlink(missing_ok=True)           # a request of an earlier run is not ours
+    interrupt = _Interrupt(stop_file)
     result: AttemptResult | None = None
     with _forwarding(interrupt):
         for attempt in range(spec.max_restarts + 1):
@@ -304,15 +342,72 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
                 _event(cfg, "relaunch", attempt=attempt)
             _event(cfg, "launch", n=spec.n, cmd=list(spec.cmd), attempt=attempt,
                    launcher=launcher.name, argv=launcher.command(spec.n, spec.cmd),
-                   spares=spec.spares, ranks_per_node=spec.ranks_per_node)
-            result = run_attempt(launcher, spec, attempt, done_file_path(cfg, attempt),
-                                 base_env, interrupt)
+                   spares=spec.spares, ranks_per_node=spec.ranks_per_node,
+                   **_placement(launcher))
+            done = done_file_path(cfg, attempt)
+            result = run_attempt(launcher, spec, attempt, done, base_env, interrupt)
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
                    seconds=result.seconds, reason=result.reason, status=result.status)
             print(attempt_line(result, spec.max_restarts), file=out, flush=True)
+            if result.ok and _read_marker(done).get("stopped"):
+                return _stopped(cfg, launcher, _read_marker(done), out)
             if result.ok or result.interrupted is not None:
                 break
+            if recover is not None and attempt < spec.max_restarts:
+                status = _recover(cfg, launcher, attempt, out)
+                if status is not None:
+                    return status
     return _finish(cfg, result, interrupt)
+
+
+def _placement(launcher: Launcher) -> dict[str, Any]:
+    describe = getattr(launcher, "describe", None)
+    return dict(describe()) if describe is not None else {}
+
+
+def _read_marker(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _recover(cfg: Config, launcher: Any, attempt: int, out: TextIO) -> int | None:
+    """Slurm: classify failed nodes and take spares; when none is left, requeue. Returns
+    the final status when the run ends here, None to relaunch."""
+    rec = launcher.after_failure()
+    _event(cfg, "nodes", attempt=attempt, action=rec.action, failed=rec.failed,
+           replaced=rec.replaced, reason=rec.message, **_placement(launcher))
+    print(f"ftkit run: {rec.message}", file=out, flush=True)
+    if rec.action != "requeue":
+        return None
+    return _requeue(cfg, launcher, rec.message, out)
+
+
+def _requeue(cfg: Config, launcher: Any, why: str, out: TextIO) -> int:
+    """Ask Slurm to requeue this job; a clear message and EX_TEMPFAIL when it cannot."""
+    ok, detail = launcher.requeue()
+    _event(cfg, "requeue", ok=ok, reason=why, detail=detail)
+    if ok:
+        print(f"ftkit run: requeued the job ({why}); it resumes from the newest committed "
+              f"step when Slurm restarts it", file=out, flush=True)
+        return 0
+    print(f"ftkit run: cannot requeue ({detail or 'scontrol requeue failed'}); {why}. "
+          f"Committed checkpoints are kept: resubmit the job to resume.", file=out, flush=True)
+    _event(cfg, "gave-up", status=REQUEUE_FAILED_STATUS, reason=f"cannot requeue: {detail}")
+    return REQUEUE_FAILED_STATUS
+
+
+def _stopped(cfg: Config, launcher: Any, marker: dict[str, Any], out: TextIO) -> int:
+    """The job stopped on request (time limit) after its final checkpoint."""
+    step = marker.get("last_committed")
+    _event(cfg, "stopped", step=step)
+    print(f"ftkit run: stopped on request after committing step {step} on every level",
+          file=out, flush=True)
+    if hasattr(launcher, "requeue"):
+        return _requeue(cfg, launcher, f"time limit near, stopped at step {step}", out)
+    return 0
 
 
 def _finish(cfg: Config, result: AttemptResult | None, interrupt: _Interrupt) -> int:

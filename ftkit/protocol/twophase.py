@@ -51,6 +51,7 @@ class Outcome:
     committed: bool
     failures: dict[int, str]
     seconds: float
+    stop: bool = False       # the coordinator saw a stop request (time limit near)
 
 
 class TwoPhase:
@@ -58,8 +59,10 @@ class TwoPhase:
     its tentative shard is written (the checkpointer uses it for retention)."""
 
     def __init__(self, dc: DistComm, levels: dict[str, Level], faults: Faults,
-                 before_write: Callable[[int], None], emit: Callable[..., None]) -> None:
+                 before_write: Callable[[int], None], emit: Callable[..., None],
+                 stop_requested: Callable[[], bool] = lambda: False) -> None:
         self.dc = dc
+        self.stop_requested = stop_requested   # polled by the coordinator in ``decide``
         self.levels = levels
         self.faults = faults
         self.before_write = before_write
@@ -80,7 +83,8 @@ class TwoPhase:
         late = self._finish(step, decision, snap.levels)
         late_failures = self.dc.agree(late, "commit", step)
         failures = {int(r): f for r, f in decision["failures"].items()} | late_failures
-        out = Outcome(step, decision["commit"], failures, time.monotonic() - t0)
+        out = Outcome(step, decision["commit"], failures, time.monotonic() - t0,
+                      stop=bool(decision.get("stop")))
         if self.dc.rank == COORDINATOR:
             self.emit("commit" if out.committed else "abort", step=step,
                       seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
@@ -148,7 +152,7 @@ class TwoPhase:
         except Exception as exc:  # noqa: BLE001 - no durable record: abort
             failures[self.dc.rank] = describe(exc)
             commit = False
-        return {"commit": commit, "failures": failures}
+        return {"commit": commit, "failures": failures, "stop": self.stop_requested()}
 
     def _finish(self, step: int, decision: dict[str, Any], levels: tuple[str, ...]
                 ) -> str | None:

@@ -1,0 +1,1 @@
+"""Slurm integration: environment parsing, sbatch rendering, node health and the launcher."""

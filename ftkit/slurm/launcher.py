@@ -1,0 +1,128 @@
+"""``ftkit run`` inside a Slurm allocation: ranks on healthy nodes, spares, exclusion, requeue.
+
+The job's nodes are *slots* ``0..N-1`` (N = ranks / tasks per node); slot k is a Slurm node
+and holds ranks ``k*T .. k*T+T-1`` (``FTKIT_RANKS_PER_NODE=T``, by-slot placement), so the
+node-local directory ``$FTKIT_LOCAL_DIR/<Slurm node>/<job>/node-<k>`` follows the slot. The
+remaining nodes of the allocation are spares. After a failed attempt the classifier
+(:mod:`ftkit.slurm.health`) names failed nodes; each failed slot takes a spare (its ranks'
+state is then rebuilt from the redundancy levels), and the next attempt is launched on the
+new node list. The slot map is kept in ``$FTKIT_PFS_DIR/<job>/slurm-slots.json`` so a
+requeued job puts slots back on the nodes that still hold their data.
+
+Ranks are started by the MPI's ``mpiexec`` with ``--host node:T,...`` (Open MPI's PRRTE
+launches its per-node daemons with ``srun``, so every rank runs inside the allocation and sees
+its node's ``SLURMD_NODENAME``). A direct ``srun`` of the ranks needs a Slurm built with the
+MPI's PMIx, which this launcher does not assume.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ftkit.errors import LaunchError
+from ftkit.launch.mpiexec import MpiexecLauncher, build_command, launch_env
+from ftkit.slurm.env import SlurmEnv, compress_hostlist
+from ftkit.slurm.health import SlurmTools
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What to do after a failed attempt."""
+
+    action: str                      # "relaunch" or "requeue"
+    failed: dict[str, str]           # node -> why
+    replaced: dict[str, str]         # failed node -> spare that took its slot
+    message: str
+
+
+class SlurmLauncher:
+    """Launches attempts on the allocation's healthy nodes; see the module docstring."""
+
+    name = "srun"
+
+    def __init__(self, mpi: MpiexecLauncher, senv: SlurmEnv, n: int, spares: int,
+                 state_file: Path, tools: SlurmTools | None = None) -> None:
+        self.mpi, self.senv, self.n = mpi, senv, n
+        self.tools = tools or SlurmTools(senv.job_id)
+        self.state_file = state_file
+        nodes = list(senv.nodes)
+        if len(nodes) <= spares:
+            raise LaunchError(f"--spares {spares}: the allocation has only {len(nodes)} "
+                              f"node(s) ({compress_hostlist(nodes)})")
+        self.slots_needed = len(nodes) - spares
+        if n % self.slots_needed:
+            raise LaunchError(f"-n {n} ranks do not divide evenly over {self.slots_needed} "
+                              f"nodes ({len(nodes)} allocated, {spares} kept as spares)")
+        self.per_node = n // self.slots_needed
+        self.failed: dict[str, str] = {}
+        self.slots = self._initial_slots(nodes)
+        self._save()
+
+    # ------------------------------------------------------------- Launcher API
+    def command(self, n: int, cmd: Sequence[str]) -> list[str]:
+        hosts = ",".join(f"{node}:{self.per_node}" for node in self.slots)
+        return build_command(n, cmd, self.mpi.flavor, self.mpi.path,
+                             (*self.mpi.extra, "--host", hosts, "--map-by", "slot"))
+
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
+        env = launch_env(base, self.mpi.flavor)
+        env.setdefault("PMIX_SECURITY_MODE", "native")
+        env["FTKIT_RANKS_PER_NODE"] = str(self.per_node)
+        return env
+
+    def describe(self) -> dict[str, object]:
+        return {"slots": list(self.slots), "spare_nodes": self.spares(),
+                "failed_nodes": dict(self.failed)}
+
+    # ---------------------------------------------------------------- recovery
+    def spares(self) -> list[str]:
+        return [n for n in self.senv.nodes if n not in self.slots and n not in self.failed]
+
+    def after_failure(self) -> Recovery:
+        """Find failed nodes of the current slots, swap in spares, or ask for a requeue."""
+        failed = self.tools.failed_nodes(self.slots)
+        self.failed.update(failed)
+        spares = self.spares()
+        if len(spares) < len(failed):
+            self._save()
+            return Recovery("requeue", failed, {}, (
+                f"out of spare nodes: {compress_hostlist(failed)} failed and "
+                f"{len(spares)} healthy spare(s) left in {compress_hostlist(self.senv.nodes)}"))
+        replaced = {node: spares.pop(0) for node in self.slots if node in failed}
+        self.slots = [replaced.get(node, node) for node in self.slots]
+        self._save()
+        what = (f"excluding {compress_hostlist(failed)}, spares in: "
+                + ", ".join(f"{a}->{b}" for a, b in replaced.items())) if failed \
+            else "no node failed (software failure): same nodes"
+        return Recovery("relaunch", failed, replaced, what)
+
+    def requeue(self) -> tuple[bool, str]:
+        return self.tools.requeue()
+
+    # --------------------------------------------------------------- internals
+    def _initial_slots(self, nodes: list[str]) -> list[str]:
+        """Slots from a previous run of this job (requeue) where those nodes are still in
+        the allocation, the other slots from the remaining nodes in allocation order."""
+        previous: list[str] = []
+        try:
+            previous = list(json.loads(self.state_file.read_text())["slots"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if len(previous) != self.slots_needed:
+            previous = []
+        slots: list[str | None] = [p if p in nodes else None for p in previous] \
+            or [None] * self.slots_needed
+        free = [n for n in nodes if n not in slots]
+        return [s if s is not None else free.pop(0) for s in slots]
+
+    def _save(self) -> None:
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"slots": self.slots, "failed": self.failed,
+                                   "per_node": self.per_node}, indent=1))
+        tmp.replace(self.state_file)

@@ -1,0 +1,109 @@
+"""sbatch scripts for ftkit jobs, rendered by a pure function (submitit style).
+
+The script asks for N nodes for the ranks plus S spares, ``--no-kill`` (a failed node must
+not end the allocation: ``ftkit run`` replaces it with a spare), ``--signal=B:USR1@T`` (the
+batch shell — ``ftkit run`` after ``exec`` — gets SIGUSR1 T seconds before the time limit and
+has the job take a final checkpoint on every level, PFS included) and ``--requeue`` (when no
+spare is left, or after that final checkpoint, ``ftkit run`` requeues the job, which then
+resumes from the newest committed step).
+
+``slurm/*.sbatch`` are rendered from :data:`TEMPLATES` (``python -m ftkit.slurm.sbatch
+slurm/`` rewrites them; a unit test keeps them in sync).
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+from ftkit.errors import LaunchError
+
+
+@dataclasses.dataclass(frozen=True)
+class SbatchSpec:
+    """One ftkit job under Slurm."""
+
+    command: tuple[str, ...]
+    nodes: int
+    spares: int = 1
+    tasks_per_node: int = 1
+    time: str = "01:00:00"
+    job_name: str = "ftkit"
+    signal_seconds: int = 120           # 0: no final checkpoint before the time limit
+    requeue: bool = True
+    max_restarts: int = 3
+    partition: str | None = None
+    output: str = "ftkit-%x-%j.out"
+    env: tuple[tuple[str, str], ...] = ()
+    setup: tuple[str, ...] = ()          # shell lines run first (module load, venv, ...)
+    ftkit: tuple[str, ...] = ("ftkit",)  # how to call ftkit (e.g. python -m ftkit.cli.main)
+
+    def __post_init__(self) -> None:
+        for ok, message in ((bool(self.command), "no command"),
+                            (self.nodes >= 1, f"nodes must be >= 1, got {self.nodes}"),
+                            (self.spares >= 0, f"spares must be >= 0, got {self.spares}"),
+                            (self.tasks_per_node >= 1,
+                             f"tasks per node must be >= 1, got {self.tasks_per_node}"),
+                            (self.signal_seconds >= 0, "signal seconds must be >= 0"),
+                            (self.max_restarts >= 0, "max restarts must be >= 0")):
+            if not ok:
+                raise LaunchError(f"sbatch: {message}")
+        for key in ("job_name", "time", "output", "partition"):
+            value = getattr(self, key)
+            if value is not None and (not value or any(c.isspace() for c in value)):
+                raise LaunchError(f"sbatch: {key} {value!r} must be non-empty, without spaces")
+
+
+def render_sbatch(spec: SbatchSpec) -> str:
+    """The batch script text (pure)."""
+    ranks = spec.nodes * spec.tasks_per_node
+    head = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes + spec.spares}",
+            f"--ntasks-per-node={spec.tasks_per_node}", f"--time={spec.time}",
+            "--no-kill", "--requeue" if spec.requeue else "--no-requeue",
+            "--open-mode=append", f"--output={spec.output}"]
+    if spec.signal_seconds:
+        head.append(f"--signal=B:USR1@{spec.signal_seconds}")
+    if spec.partition:
+        head.append(f"--partition={spec.partition}")
+    run = [*spec.ftkit, "run", "--launcher", "auto", "-n", str(ranks), "--spares",
+           str(spec.spares), "--max-restarts", str(spec.max_restarts), "--", *spec.command]
+    lines = ["#!/bin/bash",
+             (f"# ftkit job: {ranks} ranks on {spec.nodes} nodes x {spec.tasks_per_node}, "
+              f"{spec.spares} spare node(s)."),
+             *(f"#SBATCH {h}" for h in head),
+             "set -euo pipefail",
+             'export FTKIT_JOB="${FTKIT_JOB:-$SLURM_JOB_ID}"   # same id across requeues',
+             *(f"export {k}={shlex.quote(v)}" for k, v in spec.env),
+             *spec.setup,
+             "# exec: ftkit run itself receives the USR1 of --signal=B:...",
+             "exec " + shlex.join(run)]
+    return "\n".join(lines) + "\n"
+
+
+_LEVELS = (("FTKIT_LEVELS", "local:1,partner:1,pfs:10"),)
+TEMPLATES: dict[str, SbatchSpec] = {
+    "ftkit.sbatch": SbatchSpec(command=("python", "train.py"), nodes=4, spares=1,
+                               tasks_per_node=2, env=_LEVELS),
+    "toy.sbatch": SbatchSpec(command=("python", "examples/toy_dp.py", "--steps", "200"),
+                             nodes=4, spares=1, tasks_per_node=2, time="00:30:00",
+                             job_name="ftkit-toy", env=_LEVELS,
+                             setup=("source .venv/bin/activate",)),
+    "hp_gpt.sbatch": SbatchSpec(command=("python", "examples/hp_gpt.py", "--dp", "2", "--tp",
+                                         "2", "--pp", "2", "--steps", "200"),
+                                nodes=4, spares=1, tasks_per_node=2, time="00:30:00",
+                                job_name="ftkit-hp-gpt", env=_LEVELS,
+                                setup=("source .venv/bin/activate",)),
+}
+
+
+def main(argv: list[str]) -> int:
+    """``python -m ftkit.slurm.sbatch DIR``: write :data:`TEMPLATES` into DIR."""
+    out = Path(argv[0] if argv else "slurm")
+    for name, spec in TEMPLATES.items():
+        (out / name).write_text(render_sbatch(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
