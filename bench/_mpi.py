@@ -2,11 +2,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -27,9 +34,74 @@ def run(script: str, args: argparse.Namespace, child: Callable[[argparse.Namespa
     if args.child:
         child(args)
         return
+    sys.exit(launch(script, args.ranks, [*sys.argv[1:], "--child"]))
+
+
+def launch(script: str, ranks: int, argv: list[str], timeout: float = 1800) -> int:
+    """Run ``script`` on ``ranks`` ranks with the venv's mpiexec (root and oversubscription
+    flags set, inherited ``FTKIT_*`` variables dropped) and return its exit status; for
+    benchmarks that launch several worlds in one run."""
     mpiexec = Path(sys.executable).with_name("mpiexec")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("FTKIT_RANKS_PER_NODE", None)       # each benchmark sets its own topology
-    cmd = [str(mpiexec), "--oversubscribe", "--bind-to", "none", "-n", str(args.ranks),
-           sys.executable, "-m", "mpi4py", script, *sys.argv[1:], "--child"]
-    sys.exit(subprocess.call(cmd, env=env, timeout=1800))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FTKIT_")}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [str(mpiexec), "--oversubscribe", "--bind-to", "none", "-n", str(ranks),
+           sys.executable, "-m", "mpi4py", script, *argv]
+    return subprocess.call(cmd, env=env, timeout=timeout)
+
+
+def timed(comm: Any, fn: Callable[[], object]) -> float:
+    """Seconds from a barrier before ``fn`` to a barrier after it (same on every rank)."""
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    comm.Barrier()
+    return time.perf_counter() - t0
+
+
+def best_of(comm: Any, fn: Callable[[], object], repeat: int) -> float:
+    """The fastest of ``repeat`` :func:`timed` runs of ``fn``."""
+    return min(timed(comm, fn) for _ in range(max(1, repeat)))
+
+
+@contextlib.contextmanager
+def scratch(comm: Any, *parents: str) -> Iterator[list[Path]]:
+    """One private directory under each of ``parents``, shared by all ranks (rank 0 creates
+    them); removed after a barrier on success, by every rank without one on error."""
+    dirs = [Path(p) for p in comm.bcast(
+        [tempfile.mkdtemp(prefix="ftkit-bench-", dir=d) for d in parents]
+        if comm.rank == 0 else None)]
+    try:
+        yield dirs
+    except BaseException:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+    comm.Barrier()
+    if comm.rank == 0:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def machine() -> dict[str, Any]:
+    """Cores, memory and versions of this machine (the MPI library's when MPI is loaded)."""
+    import mpi4py
+    import numpy
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    info: dict[str, Any] = {"cores": os.cpu_count(), "memory_gib": round(mem, 1),
+                            "python": platform.python_version(), "numpy": numpy.__version__,
+                            "mpi4py": mpi4py.__version__, "platform": platform.platform()}
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        info["mpi"] = mpi.Get_library_version().splitlines()[0].strip("\x00 ")
+    for name in ("torch", "h5py"):
+        if name in sys.modules:
+            info[name] = sys.modules[name].__version__
+    return info
+
+
+def write_report(out: str, name: str, report: dict[str, Any]) -> Path:
+    """Write ``report`` as ``<out>/<name>.json`` (creating ``out``); returns the path."""
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path

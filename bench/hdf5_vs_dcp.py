@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import resource
 import shutil
 import sys
@@ -321,19 +320,11 @@ def _fs_type(path: Path) -> str:
 
 def _machine(world: int, nodes: int, pfs_root: Path) -> dict[str, Any]:
     import h5py
-    import mpi4py
-    import numpy
-    import torch
-    from mpi4py import MPI
 
     from ftkit import __version__
     cores = os.cpu_count() or 1
-    return {"cores": cores, "ranks": world, "oversubscribed": world > cores,
-            "ftkit_nodes": nodes, "python": platform.python_version(),
-            "platform": platform.platform(), "torch": torch.__version__,
-            "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
-            "numpy": numpy.__version__, "mpi4py": mpi4py.__version__,
-            "mpi": MPI.Get_library_version().splitlines()[0].strip("\x00 "), "ftkit": __version__,
+    return {**_mpi.machine(), "ranks": world, "oversubscribed": world > cores,
+            "ftkit_nodes": nodes, "hdf5": h5py.version.hdf5_version, "ftkit": __version__,
             "pfs_dir_fs": _fs_type(pfs_root), "local_dir_fs": _fs_type(Path("/dev/shm")),
             "page_cache": "not dropped (no privilege): loads may be served from the page "
                           "cache, for every method alike"}

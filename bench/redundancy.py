@@ -16,24 +16,12 @@ import platform
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mpi
-
-
-def _timed(comm, fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    best = float("inf")
-    for _ in range(repeat):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        comm.Barrier()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -68,17 +56,17 @@ def _child(args: argparse.Namespace) -> None:
     def p2p() -> None:
         MPI.Request.Waitall([comm.Isend([out, MPI.BYTE], partners[rank]),
                              comm.Irecv([back, MPI.BYTE], src)])
-    results = {"p2p": _timed(comm, p2p, args.repeat)}
+    results = {"p2p": _mpi.best_of(comm, p2p, args.repeat)}
     blob = np.random.default_rng(rank + 100).bytes(nbytes)
-    results["tmpfs_write"] = _timed(
+    results["tmpfs_write"] = _mpi.best_of(
         comm, lambda: write_atomic(local.step_dir(1) / "bound.bin", [blob]), args.repeat)
     partner = PartnerLevel(local, DistComm(comm, 600.0), partners, local.faults)
-    results["partner"] = _timed(comm, lambda: partner.encode(1), args.repeat)
+    results["partner"] = _mpi.best_of(comm, lambda: partner.encode(1), args.repeat)
     for name, size, p in (("xor", world, 1), ("rs", world, min(2, world - 1))):
         sets = erasure_sets(rank_node, size, minimum=p + 1)
         sid, idx = set_of(sets, rank)
         level = ErasureLevel(name, local, dc.split(sid, idx), sid, sets[sid], p, local.faults)
-        results[name] = _timed(comm, lambda lv=level: lv.encode(1), args.repeat)
+        results[name] = _mpi.best_of(comm, lambda lv=level: lv.encode(1), args.repeat)
     if rank == 0:
         _report(args, world, nbytes, results)
     comm.Barrier()

@@ -1,6 +1,8 @@
 """The benchmarks run end to end at tiny sizes and write JSON with every ratio they promise.
 
-Each launches itself under the venv's mpiexec (2 ranks); a hang is bounded by the timeout.
+``bench/run.py --smoke`` runs every part once (module fixture); the tests check its parts,
+its figures and its plots. Each part launches itself under the venv's mpiexec; a hang is
+bounded by the timeout.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
+pytestmark = pytest.mark.slow     # ~3 min: bench/run.py --smoke runs every part
+RUN_TIMEOUT = 1200
 
 
 def _run(script: str, out: Path, *args: str) -> dict[str, Any]:
@@ -35,9 +39,52 @@ def _positive(values: dict[str, Any], keys: list[str]) -> None:
         assert isinstance(v, (int, float)) and math.isfinite(v) and v > 0, (key, v)
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_hdf5_vs_dcp_quick(tmp_path: Path) -> None:
-    rep = _run("hdf5_vs_dcp.py", tmp_path, "--quick", "--ranks", "2")
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``bench/run.py --smoke``: its run.json plus stdout, and the output directory."""
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(out)]
+    res = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT)
+    assert res.returncode == 0, f"{cmd} exited {res.returncode}\n{res.stdout}\n{res.stderr}"
+    report: dict[str, Any] = json.loads((out / "run.json").read_text())
+    report["_stdout"], report["_out"] = res.stdout, out
+    return report
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+def test_run_has_every_named_ratio_and_plots(smoke: dict[str, Any]) -> None:
+    figs = smoke["figures"]
+    bounds = {"memcpy", "tmpfs_write", "disk_write_fsync", "p2p_same_node", "p2p_tcp"}
+    assert {f"bound[{b}]" for b in bounds} <= set(figs), sorted(figs)
+    want = {"save[local, 1 MiB]": "tmpfs_write", "save[partner, 1 MiB]": "p2p_same_node",
+            "save[xor, 1 MiB]": "p2p_same_node",
+            "peer[ftkit_hdf5_save]": "torch_dcp_save", "peer[ftkit_hdf5_load]": "torch_dcp_load",
+            "restore speed-up[local vs pfs, 1 MiB]": "1",
+            "restore speed-up[partner vs pfs, 1 MiB]": "1",
+            "protocol[local, n=4]": "n=2", "recovery[pfs_only, total_s]": "local_partner",
+            "hp blocked[local+partner]": "iteration"}
+    for name, to in want.items():
+        fig = figs[name]
+        assert fig["to"] == to and math.isfinite(fig["ratio"]), (name, fig)
+    goals = {n: f["goal"] for n, f in figs.items() if f["goal"] is not None}
+    assert goals["save[local, 1 MiB]"] == 0.8 and goals["save[partner, 1 MiB]"] == 0.7
+    assert goals["peer[ftkit_hdf5_save]"] == 1.5 and goals["hp blocked[local+partner]"] == 0.01
+    assert all(isinstance(f["met"], bool) for n, f in figs.items() if n in goals)
+    for phase in ("detection_s", "relaunch_s", "discovery_s", "rebuild_s", "load_s",
+                  "first_step_s"):
+        assert figs[f"recovery[local_partner, {phase}]"]["value"] >= 0
+    assert figs["recovery[local_partner, rebuild_s]"]["value"] > 0     # a node was rebuilt
+    for png in ("levels.png", "peers.png", "protocol.png", "recovery.png"):
+        data = (smoke["_out"] / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+    assert smoke["machine"]["cores"] >= 1 and smoke["mode"] == "smoke"
+    assert "ratio to tmpfs_write" in smoke["_stdout"] and "goal >= 0.7" in smoke["_stdout"]
+
+
+def test_hdf5_vs_dcp_part(smoke: dict[str, Any]) -> None:
+    rep = dict(smoke["parts"]["hdf5_vs_dcp"])
+    rep["_stdout"] = smoke["_stdout"]
     _positive(rep["ratios"], ["ftkit_hdf5_save/torch_dcp_save",
                               "ftkit_hdf5_load/torch_dcp_load",
                               "ftkit_save_total/torch_dcp_save",
@@ -70,9 +117,9 @@ def test_redundancy_tiny(tmp_path: Path) -> None:
     _positive(rep["level_costs_s"], ["partner", "xor", "rs"])
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_hp_overlap_tiny(tmp_path: Path) -> None:
-    rep = _run("hp_overlap.py", tmp_path, "--steps", "4", "--hidden", "32", "--seq", "16")
+def test_hp_overlap_part(smoke: dict[str, Any]) -> None:
+    rep = dict(smoke["parts"]["hp_overlap"])
+    rep["_stdout"] = smoke["_stdout"]
     results = rep["results"]
     assert set(results) == {"none", "local", "local+partner", "local+partner+pfs",
                             "local+partner sync"}

@@ -1,0 +1,130 @@
+"""Derive the headline figures of ``bench/run.py`` from the parts' JSON (pure, testable).
+
+A figure is ``{"value", "unit", "to", "ratio", "goal", "op", "met"}``: ``ratio`` is value /
+(the value named by ``to``); ``goal`` with ``op`` ``">="`` or ``"<="`` says what the design
+asks of the ratio (DESIGN §8); ``met`` is None when no goal applies.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+Figures = dict[str, dict[str, Any]]
+LEVEL_BOUND = {"local": ("tmpfs_write", 0.8), "partner": ("p2p_same_node", 0.7),
+               "xor": ("p2p_same_node", 0.7), "rs": ("p2p_same_node", None),
+               "pfs": ("disk_write_fsync", None)}
+
+
+def _fig(value: float, unit: str, to: str | None = None, base: float | None = None,
+         goal: float | None = None, op: str = ">=") -> dict[str, Any]:
+    ratio = value / base if base else None
+    met = None
+    if goal is not None and ratio is not None:
+        met = ratio >= goal if op == ">=" else ratio <= goal
+    return {"value": value, "unit": unit, "to": to, "ratio": ratio, "goal": goal, "op": op,
+            "met": met}
+
+
+def _largest(per_size: dict[str, float]) -> tuple[str, float]:
+    size = max(per_size, key=float)
+    return size, per_size[size]
+
+
+def bounds(part: dict[str, Any]) -> Figures:
+    return {f"bound[{k}]": _fig(v, "GB/s") for k, v in part["gb_per_s"].items()}
+
+
+def levels(part: dict[str, Any], bound: dict[str, float]) -> Figures:
+    """Save bandwidth per level at the largest size (redundancy levels: their increment over
+    local, i.e. what the level itself costs) against the matching bound; restore speed-ups."""
+    out: Figures = {}
+    for level, per_size in part["save_gb_per_s"].items():
+        size, value = _largest(per_size)
+        inc = part.get("increment_s", {}).get(level, {}).get(size)
+        if level != "local" and inc:
+            value = float(size) * 2**20 / 1e9 / inc
+        to, goal = LEVEL_BOUND.get(level, (None, None))
+        out[f"save[{level}, {size} MiB]"] = _fig(value, "GB/s", to, bound.get(to or ""), goal)
+    for level, per_size in part["restore_gb_per_s"].items():
+        size, value = _largest(per_size)
+        out[f"restore[{level}, {size} MiB]"] = _fig(value, "GB/s")
+    restore = part["restore_s"]
+    if "pfs" in restore:
+        size, pfs = _largest(restore["pfs"])
+        for level in ("local", "partner"):
+            if level in restore and size in restore[level]:
+                out[f"restore speed-up[{level} vs pfs, {size} MiB]"] = _fig(
+                    pfs / restore[level][size], "x", "1", 1.0, 10.0)
+    return out
+
+
+def peers(part: dict[str, Any]) -> Figures:
+    gbs, out = part["gb_per_s"], {}
+    pairs = part.get("goal", {}).get("pairs", {})
+    for name, value in gbs.items():
+        peer = pairs.get(name)
+        out[f"peer[{name}]"] = _fig(value, "GB/s", peer, gbs.get(peer or ""),
+                                    1.5 if peer else None)
+    return out
+
+
+def protocol(part: dict[str, Any]) -> Figures:
+    out: Figures = {}
+    for levels_name, per_n in part["save_s"].items():
+        ns = sorted(per_n, key=int)
+        for n in ns:
+            out[f"protocol[{levels_name}, n={n}]"] = _fig(
+                per_n[n] * 1e3, "ms per save", f"n={ns[0]}", per_n[ns[0]] * 1e3)
+    return out
+
+
+def recovery(part: dict[str, Any]) -> Figures:
+    out: Figures = {}
+    scen = part["scenarios"]
+    for name, phases in scen.items():
+        for phase, value in phases.items():
+            if not phase.endswith("_s") or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)):
+                continue
+            ratio_to = phase in ("total_s", "restore_s")
+            out[f"recovery[{name}, {phase}]"] = _fig(
+                value, "s", "local_partner" if ratio_to else None,
+                scen.get("local_partner", {}).get(phase) if ratio_to else None)
+    return out
+
+
+def overlap(part: dict[str, Any]) -> Figures:
+    out: Figures = {}
+    for name, r in part["results"].items():
+        out[f"hp iteration[{name}]"] = _fig(r["iter_s"] * 1e3, "ms", "none",
+                                            r["iter_s"] / r["ratio_to_none"] * 1e3)
+        goal = 0.01 if name == "local+partner" else None
+        out[f"hp blocked[{name}]"] = _fig(r["blocked_s_per_step"] * 1e3, "ms per step",
+                                          "iteration", r["iter_s"] * 1e3, goal, "<=")
+    return out
+
+
+def derive(parts: dict[str, dict[str, Any]]) -> Figures:
+    """Every figure the parts allow (parts may be missing)."""
+    bound = parts.get("bounds", {}).get("gb_per_s", {})
+    out: Figures = {}
+    steps = (("bounds", lambda p: bounds(p)), ("levels", lambda p: levels(p, bound)),
+             ("hdf5_vs_dcp", peers), ("protocol", protocol), ("recovery", recovery),
+             ("hp_overlap", overlap))
+    for name, fn in steps:
+        if name in parts:
+            out.update(fn(parts[name]))
+    return out
+
+
+def lines(figures: Figures) -> list[str]:
+    """``name: value unit (ratio to X = r; goal >= g: met)`` per figure."""
+    out = []
+    for name, f in figures.items():
+        text = f"{name}: {f['value']:.4g} {f['unit']}"
+        if f["ratio"] is not None:
+            text += f" (ratio to {f['to']} = {f['ratio']:.3g}"
+            if f["goal"] is not None:
+                text += f"; goal {f['op']} {f['goal']:g}: {'met' if f['met'] else 'MISSED'}"
+            text += ")"
+        out.append(text)
+    return out

@@ -1,0 +1,247 @@
+"""ftkit's levels through the public Checkpointer API: save and restore time per level and size.
+
+    python bench/levels.py [--ranks 4] [--sizes-mib 1,16,64,256,1024] [--repeat 3] [--quick]
+                           [--out bench/results]
+
+Relaunches itself under the venv's mpiexec on --ranks ranks (default 4) forming virtual nodes
+of 2 ranks (``Topology.create(comm, ranks_per_node=2)``). For every state size per rank
+(``--quick``: 1,16; ``--size-mib N`` is ``--sizes-mib N``) and every level configuration
+
+    local = local:1   partner = local:1,partner:1   xor = local:1,xor:1
+    rs = local:1,rs:1   pfs = local:1,pfs:1
+
+a synchronous Checkpointer (``async_=False``: ``save`` returns after the whole protocol,
+PFS flush included) with its node-local directory in a private /dev/shm directory and its PFS
+directory in a private one under the system temp dir measures, best of --repeat, each timed
+from a barrier to a barrier:
+
+* save: ``save(step, state)`` at steps 1, 2, ...; ``increment`` = save of the level - save of
+  plain local at the same size (what the level itself costs; noise can make it negative);
+* restore: ``restore(state)`` of a fresh Checkpointer, the state scrambled first and checked
+  bit-exact afterwards. local: every file present; partner / xor / rs: the node-local
+  directory of the last node removed first (rebuilt over MPI); pfs: every node-local
+  directory removed (read from HDF5).
+
+The state is 4 float32 torch tensors per rank, different on every rank. Erasure sets draw one
+rank per node, so xor_set = rs_set = min(nodes, 4) and rs_parity = 1 below 4 nodes, else 2.
+A (level, size) whose files would not fit in memory is skipped and listed under ``skipped``.
+GB/s figures are per rank (state of one rank / seconds). Prints ``save[partner, 64 MiB]:
+0.52 GB/s`` lines and writes levels.json.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _mpi
+
+RANKS_PER_NODE = 2
+N_TENSORS = 4
+LEVELS = {"local": "local:1", "partner": "local:1,partner:1", "xor": "local:1,xor:1",
+          "rs": "local:1,rs:1", "pfs": "local:1,pfs:1"}
+SIZES, QUICK_SIZES = "1,16,64,256,1024", "1,16"
+
+
+# ------------------------------------------------------------------------ the state
+def _expected(rank: int, i: int, n: int) -> Any:
+    import torch
+    return torch.arange(n, dtype=torch.float32).mul_(1 + rank).add_(i)
+
+
+def _make_state(rank: int, nbytes: int) -> dict[str, Any]:
+    n = max(1, nbytes // 4 // N_TENSORS)
+    return {f"t{i}": _expected(rank, i, n) for i in range(N_TENSORS)}
+
+
+def _check(state: dict[str, Any], rank: int, what: str) -> None:
+    import torch
+    for i in range(N_TENSORS):
+        t = state[f"t{i}"]
+        if not torch.equal(t, _expected(rank, i, t.numel())):
+            raise AssertionError(f"rank {rank}: {what}: tensor t{i} differs from the saved one")
+
+
+# ---------------------------------------------------------------------- settings
+def _settings(nodes: int) -> dict[str, int]:
+    size = min(nodes, 4)
+    return {"xor_set": size, "rs_set": size, "rs_parity": 1 if size < 4 else 2}
+
+
+def _no_room(level: str, nbytes: int, world: int, settings: dict[str, int]) -> str | None:
+    """Why (level, size) would not fit in memory here, or None. Node-local files: two
+    versions (retention keeps the previous committed step) of shard + redundancy; plus one
+    staging copy of the state."""
+    extra = {"partner": 1.0, "xor": 1 / (settings["xor_set"] - 1),
+             "rs": settings["rs_parity"] / (settings["rs_set"] - settings["rs_parity"])}
+    need = world * nbytes * (2 * (1 + extra.get(level, 0.0)) + 1)
+    with open("/proc/meminfo") as fh:
+        avail = next(int(ln.split()[1]) << 10 for ln in fh if ln.startswith("MemAvailable:"))
+    room = min(avail, shutil.disk_usage("/dev/shm").free)
+    if need > 0.9 * room:
+        return f"needs ~{need / 2**30:.1f} GiB of memory and /dev/shm, {room / 2**30:.1f} free"
+    return None
+
+
+# ---------------------------------------------------------------------- measuring
+def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int) -> float:
+    from ftkit import Checkpointer
+    ckpt = Checkpointer(topo, cfg)
+    steps = itertools.count(1)
+    try:
+        return _mpi.best_of(topo.comm, lambda: ckpt.save(next(steps), state), repeat)
+    finally:
+        ckpt.close()
+
+
+def _wipe(topo: Any, cfg: Any, nodes: list[int]) -> None:
+    """Every node in ``nodes`` loses its node-local directory (its leader removes it)."""
+    topo.comm.Barrier()
+    if topo.is_node_leader and topo.node in nodes:
+        shutil.rmtree(cfg.node_dir(topo.node), ignore_errors=True)
+    topo.comm.Barrier()
+
+
+def _restore_once(topo: Any, cfg: Any, state: dict[str, Any], lost: list[int]
+                  ) -> tuple[float, int]:
+    """Seconds and step of a fresh Checkpointer's restore after ``lost`` nodes lost their
+    node-local directories (the state is scrambled first)."""
+    from ftkit import Checkpointer
+    _wipe(topo, cfg, lost)
+    ckpt = Checkpointer(topo, cfg)
+    for t in state.values():
+        t.zero_()
+    got: list[int] = []
+    seconds = _mpi.timed(topo.comm, lambda: got.append(ckpt.restore(state)))
+    ckpt.close()
+    return seconds, got[0]
+
+
+def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int) -> float:
+    """Best seconds of restoring the newest step (``repeat``) after the level's loss, the
+    state checked every time."""
+    lost = {"local": [], "pfs": topo.nodes}.get(level, topo.nodes[-1:])
+    best = float("inf")
+    for _ in range(repeat):
+        seconds, step = _restore_once(topo, cfg, state, lost)
+        if step != repeat:
+            raise AssertionError(f"{level}: restore returned step {step}, expected {repeat}")
+        _check(state, topo.rank, f"restore of {level}")
+        best = min(best, seconds)
+    return best
+
+
+def _config(level: str, size: int, local: str, pfs: str, settings: dict[str, int]) -> Any:
+    from ftkit.config import Config
+    return Config.load(env={}, levels=LEVELS[level], async_=False, local_dir=local,
+                       pfs_dir=pfs, job=f"{level}-{size}", timeout=600.0,
+                       xor_set=settings["xor_set"], rs_set=settings["rs_set"],
+                       rs_parity=settings["rs_parity"])
+
+
+def _drop(topo: Any, cfg: Any) -> None:
+    """Remove the job's node-local and PFS files (the next job starts on empty levels)."""
+    _wipe(topo, cfg, topo.nodes)
+    if topo.rank == 0:
+        shutil.rmtree(cfg.job_pfs_dir, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
+             settings: dict[str, int]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{"save_s"|"restore_s"|"skipped": {level: {size: value}}} (same on every rank)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {}}
+    for size in args.sizes:
+        state, key = _make_state(topo.rank, size << 20), str(size)
+        for level in LEVELS:
+            why = topo.comm.bcast(_no_room(level, size << 20, topo.world, settings)
+                                  if topo.rank == 0 else None)
+            if why:
+                out["skipped"].setdefault(level, {})[key] = why
+                continue
+            cfg = _config(level, size, local, pfs, settings)
+            out["save_s"].setdefault(level, {})[key] = _save(topo, cfg, state, args.repeat)
+            out["restore_s"].setdefault(level, {})[key] = _restore(topo, cfg, state, level,
+                                                                   args.repeat)
+            _drop(topo, cfg)
+        del state
+    return out
+
+
+def _child(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+
+    from ftkit.comm.topology import Topology
+
+    comm = MPI.COMM_WORLD
+    topo = Topology.create(comm, ranks_per_node=RANKS_PER_NODE)
+    settings = _settings(len(topo.nodes))
+    with _mpi.scratch(comm, "/dev/shm", tempfile.gettempdir()) as (local, pfs):
+        res = _measure(args, topo, str(local), str(pfs), settings)
+    if comm.rank == 0:
+        _report(args, len(topo.nodes), settings, res)
+    topo.free()
+
+
+# ----------------------------------------------------------------------- reporting
+def _per_rank_gbs(seconds: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {lv: {s: (int(s) << 20) / v / 1e9 for s, v in per.items()}
+            for lv, per in seconds.items()}
+
+
+def _increments(save: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    base = save.get("local", {})
+    return {lv: {s: v - base[s] for s, v in per.items() if s in base}
+            for lv, per in save.items() if lv != "local"}
+
+
+def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
+            res: dict[str, dict[str, dict[str, Any]]]) -> None:
+    save, restore = res["save_s"], res["restore_s"]
+    save_gbs, restore_gbs, inc = _per_rank_gbs(save), _per_rank_gbs(restore), _increments(save)
+    lines = []
+    for size, level in itertools.product(map(str, args.sizes), LEVELS):
+        if size not in save.get(level, {}):
+            lines.append(f"save[{level}, {size} MiB]: skipped ({res['skipped'][level][size]})")
+            continue
+        lines.append(f"save[{level}, {size} MiB]: {save_gbs[level][size]:.2f} GB/s "
+                     f"({save[level][size]:.4f} s)")
+        if level in inc:
+            lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
+        lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
+                     f"({restore[level][size]:.4f} s)")
+    print("\n".join(lines), flush=True)
+    _mpi.write_report(args.out, "levels", {
+        "ranks": args.ranks, "nodes": nodes, "sizes_mib": args.sizes, "repeat": args.repeat,
+        "save_s": save, "save_gb_per_s": save_gbs, "increment_s": inc,
+        "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
+        "settings": {**settings, "ranks_per_node": RANKS_PER_NODE, "async": False},
+        "levels": LEVELS, "machine": _mpi.machine(),
+        "command": " ".join(["python bench/levels.py",
+                             *(a for a in sys.argv[1:] if a != "--child")])})
+
+
+def main() -> None:
+    ap = _mpi.parser(__doc__)
+    ap.set_defaults(size_mib=None)
+    ap.add_argument("--sizes-mib", default=None,
+                    help=f"state sizes per rank, MiB (default {SIZES}; --quick {QUICK_SIZES})")
+    ap.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} MiB")
+    args = ap.parse_args()
+    if args.ranks < 2 * RANKS_PER_NODE or args.ranks % RANKS_PER_NODE:
+        ap.error(f"--ranks must be a multiple of {RANKS_PER_NODE} and >= "
+                 f"{2 * RANKS_PER_NODE} (2 nodes at least), got {args.ranks}")
+    text = args.sizes_mib or (str(args.size_mib) if args.size_mib else
+                              QUICK_SIZES if args.quick else SIZES)
+    args.sizes = [int(s) for s in text.split(",") if s.strip()]
+    if args.repeat < 1 or not args.sizes or min(args.sizes) < 1:
+        ap.error("--repeat and every size must be >= 1")
+    _mpi.run(__file__, args, _child)
+
+
+if __name__ == "__main__":
+    main()

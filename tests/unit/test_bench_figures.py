@@ -1,0 +1,65 @@
+"""bench/_figures.py: the ratios and goal verdicts of bench/run.py, from synthetic parts."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import _figures
+
+BOUNDS = {"gb_per_s": {"memcpy": 10.0, "tmpfs_write": 2.0, "disk_write_fsync": 0.5,
+                       "p2p_same_node": 4.0, "p2p_tcp": 1.0}}
+MIB64 = 64 * 2**20 / 1e9          # GB in 64 MiB
+LEVELS = {
+    "ranks": 4,
+    "save_gb_per_s": {"local": {"1": 0.1, "64": 1.8}, "partner": {"64": 0.9},
+                      "xor": {"64": 1.0}},
+    "save_s": {"local": {"64": MIB64 / 1.8}},
+    "increment_s": {"partner": {"64": MIB64 / 2.0}, "xor": {"64": MIB64 / 3.6}},
+    "restore_s": {"local": {"64": 0.05}, "partner": {"64": 0.1}, "pfs": {"64": 1.0}},
+    "restore_gb_per_s": {"local": {"64": 1.3}, "pfs": {"64": 0.07}},
+}
+
+
+def test_level_ratios_use_the_increment_over_local_and_the_matching_bound() -> None:
+    figs = _figures.derive({"bounds": BOUNDS, "levels": LEVELS})
+    local = figs["save[local, 64 MiB]"]
+    assert local["to"] == "tmpfs_write" and local["ratio"] == pytest.approx(0.9)
+    assert local["met"] is True                              # goal 0.8 of tmpfs
+    partner = figs["save[partner, 64 MiB]"]
+    assert partner["value"] == pytest.approx(2.0)            # from the increment, not 0.9
+    assert partner["ratio"] == pytest.approx(0.5) and partner["met"] is False   # goal 0.7
+    assert figs["save[xor, 64 MiB]"]["ratio"] == pytest.approx(0.9)
+    speed = figs["restore speed-up[local vs pfs, 64 MiB]"]
+    assert speed["value"] == pytest.approx(20.0) and speed["met"] is True
+    assert figs["restore speed-up[partner vs pfs, 64 MiB]"]["value"] == pytest.approx(10.0)
+
+
+def test_peers_protocol_recovery_and_overlap() -> None:
+    parts = {
+        "hdf5_vs_dcp": {"gb_per_s": {"ftkit_hdf5_save": 0.3, "torch_dcp_save": 1.0},
+                        "goal": {"pairs": {"ftkit_hdf5_save": "torch_dcp_save"}}},
+        "protocol": {"save_s": {"local": {"2": 0.001, "8": 0.004}}},
+        "recovery": {"scenarios": {"local_partner": {"total_s": 10.0},
+                                   "pfs_only": {"total_s": 15.0}}},
+        "hp_overlap": {"results": {"local+partner": {"iter_s": 0.2, "ratio_to_none": 1.1,
+                                                     "blocked_s_per_step": 0.003}}},
+    }
+    figs = _figures.derive(parts)
+    hdf5 = figs["peer[ftkit_hdf5_save]"]
+    assert hdf5["ratio"] == pytest.approx(0.3) and hdf5["met"] is False
+    assert figs["protocol[local, n=8]"]["ratio"] == pytest.approx(4.0)
+    assert figs["recovery[pfs_only, total_s]"]["ratio"] == pytest.approx(1.5)
+    blocked = figs["hp blocked[local+partner]"]
+    assert blocked["ratio"] == pytest.approx(0.015) and blocked["met"] is False  # <= 1 %
+    text = "\n".join(_figures.lines(figs))
+    assert "peer[ftkit_hdf5_save]: 0.3 GB/s (ratio to torch_dcp_save = 0.3; goal >= 1.5: MISSED)" \
+        in text
+
+
+def test_missing_parts_are_skipped() -> None:
+    assert _figures.derive({}) == {}
+    figs = _figures.derive({"levels": LEVELS})          # no bounds: values, no ratios
+    assert figs["save[local, 64 MiB]"]["ratio"] is None
