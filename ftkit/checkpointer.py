@@ -95,11 +95,12 @@ class Checkpointer:
         t0 = time.monotonic()
         found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
                                   foreign_ok=self.pfs is not None)
+        discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
         if self.pfs is not None:      # the PFS may hold a newer step than the local levels
             pfs_step = recovery.restore_from_pfs(self.dc, self.pfs, state, self._emit,
                                                  newer_than=found.step)
             if pfs_step:
-                self._emit("restore", step=pfs_step, level="pfs",
+                self._emit("restore", step=pfs_step, level="pfs", discover_s=discover_s,
                            seconds=round(time.monotonic() - t0, 6))
                 self.last_committed = pfs_step
                 self._foreign_local = found.foreign is not None
@@ -111,7 +112,7 @@ class Checkpointer:
             raise found.foreign       # nothing usable anywhere: never overwrite those steps
         self._after_restore(found)
         self._emit("restore", step=found.step, skipped=sorted(found.skipped),
-                   seconds=round(time.monotonic() - t0, 6))
+                   discover_s=discover_s, seconds=round(time.monotonic() - t0, 6))
         if found.step:
             log.info("restored step %d", found.step)
         return found.step

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -92,15 +93,17 @@ def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, report
     lost_nodes = sorted({nodes[r] for r in plan.lost})
     how = ([f"partner copies for ranks {plan.from_partner}"] if plan.from_partner else []) + \
         [f"{lv} parity for sets {sorted(per)}" for lv, per in plan.erasure.items()]
+    t0 = time.monotonic()
     try:
         rebuild.execute(dc, levels, faults, plan, reports, step_levels)
     except CheckpointError as exc:
         return f"rebuild of step {plan.step} failed: {exc}"
+    seconds = round(time.monotonic() - t0, 6)
     if dc.rank == 0:
         log.warning("restore: step %d: rebuilt the shards of ranks %s (lost on %s) from %s",
                     plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(how))
     emit("rebuild", step=plan.step, ranks=plan.lost, nodes=lost_nodes,
-         from_partner=plan.from_partner,
+         from_partner=plan.from_partner, seconds=seconds,
          erasure={lv: {str(k): v for k, v in per.items()} for lv, per in plan.erasure.items()})
     return None
 
