@@ -128,3 +128,16 @@ def lines(figures: Figures) -> list[str]:
             text += ")"
         out.append(text)
     return out
+
+
+def markdown(figures: Figures) -> str:
+    """The README's Performance table: one row per figure that has a ratio (pure)."""
+    rows = ["| figure | value | ratio | goal |", "|---|---|---|---|"]
+    for name, f in figures.items():
+        if f["ratio"] is None:
+            continue
+        goal = "" if f["goal"] is None else \
+            f"{f['op']} {f['goal']:g}: {'met' if f['met'] else '**missed**'}"
+        rows.append(f"| `{name}` | {f['value']:.4g} {f['unit']} | "
+                    f"{f['ratio']:.3g} × {f['to']} | {goal} |")
+    return "\n".join(rows) + "\n"

@@ -59,7 +59,11 @@ def main() -> None:
     mode.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--only", default="", help="comma-separated parts (default: all)")
+    ap.add_argument("--table", metavar="RUN_JSON", help="print the README table of a run.json")
     args = ap.parse_args()
+    if args.table:
+        print(_figures.markdown(json.loads(Path(args.table).read_text())["figures"]), end="")
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     which = 2 if args.smoke else 1 if args.quick else 0

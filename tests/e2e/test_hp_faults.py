@@ -2,7 +2,7 @@
 rank, a lost node and a corrupted node-local shard, each injected at a step the test draws
 at random, and ends bit-identical to a failure-free run of the same layout.
 
-The step is drawn from ``FTKIT_TEST_SEED`` (default: a fresh seed, printed, so a failing
+The step is drawn from ``HP_FAULTS_SEED`` (default: a fresh seed, printed, so a failing
 draw can be replayed)."""
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from tests.e2e.jobs import Result, run_example
 STEPS = 10
 LAYOUT = ("--dp", "2", "--tp", "2", "--pp", "2", "--steps", str(STEPS), "--seed", "3")
 LEVELS = "local:1,partner:1"
-SEED = int(os.environ.get("FTKIT_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+SEED = int(os.environ.get("HP_FAULTS_SEED", random.SystemRandom().randrange(1 << 30)))
 
 
 def _draw(salt: str) -> tuple[int, int]:
     """(step, rank) for one case; step leaves room before and after the fault."""
     rng = random.Random(f"{SEED}-{salt}")
     step, rank = rng.randrange(3, STEPS - 1), rng.randrange(8)
-    print(f"FTKIT_TEST_SEED={SEED}: {salt}: step {step}, rank {rank}")
+    print(f"HP_FAULTS_SEED={SEED}: {salt}: step {step}, rank {rank}")
     return step, rank
 
 

@@ -11,7 +11,7 @@ rendered template.
   restores it from the PFS alone.
 
 Without root or when the cluster cannot start, the module is skipped — unless
-``FTKIT_REQUIRE_SLURM=1`` (set by ``.ci/run``), which turns that into a failure.
+``REQUIRE_SLURM_TESTS=1`` (set by ``.ci/run``), which turns that into a failure.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _sh(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    required = os.environ.get("FTKIT_REQUIRE_SLURM") == "1"
+    required = os.environ.get("REQUIRE_SLURM_TESTS") == "1"
     why = None
     if os.geteuid() != 0:
         why = "the local Slurm cluster needs root"

@@ -63,3 +63,13 @@ def test_missing_parts_are_skipped() -> None:
     assert _figures.derive({}) == {}
     figs = _figures.derive({"levels": LEVELS})          # no bounds: values, no ratios
     assert figs["save[local, 64 MiB]"]["ratio"] is None
+
+
+def test_readme_table_matches_the_committed_run() -> None:
+    """The README's Performance table is exactly the table of bench/results/run.json."""
+    import json
+    root = Path(__file__).resolve().parents[2]
+    run = json.loads((root / "bench" / "results" / "run.json").read_text())
+    table = _figures.markdown(run["figures"])
+    assert table in (root / "README.md").read_text(), table
+    assert run["mode"] in ("quick", "full") and run["machine"]["cores"] >= 1
