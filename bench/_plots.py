@@ -20,6 +20,7 @@ def _save(fig: Any, path: Path) -> Path:
 def levels(part: dict[str, Any], bound: dict[str, float], out: Path) -> Path:
     """Save and restore bandwidth per level over state size, bounds as dashed lines."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    x0 = min(float(s) for per in part["save_gb_per_s"].values() for s in per)
     for ax, key, title in ((axes[0], "save_gb_per_s", "save"),
                            (axes[1], "restore_gb_per_s", "restore")):
         for level, per_size in part[key].items():
@@ -28,7 +29,8 @@ def levels(part: dict[str, Any], bound: dict[str, float], out: Path) -> Path:
         for name in ("tmpfs_write", "p2p_same_node", "disk_write_fsync"):
             if name in bound and title == "save":
                 ax.axhline(bound[name], ls="--", lw=0.8, color="grey")
-                ax.annotate(name, (ax.get_xlim()[0], bound[name]), fontsize=7, color="grey")
+                ax.annotate(name, (x0, bound[name]), fontsize=7, color="grey",
+                            va="bottom")
         ax.set(xscale="log", yscale="log", xlabel="state per rank (MiB)", ylabel="GB/s per rank",
                title=f"ftkit {title} by level ({part.get('ranks', '?')} ranks)")
         ax.legend(fontsize=8)
