@@ -65,41 +65,33 @@ def expand_hostlist(expr: str) -> list[str]:
 
 
 def compress_hostlist(hosts: Iterable[str]) -> str:
-    """Inverse of :func:`expand_hostlist` for names ending in a number (order preserved
-    per prefix, first appearance order across prefixes)."""
-    groups: dict[tuple[str, int], list[int]] = {}
-    plain: list[str] = []
-    order: list[tuple[str, int] | str] = []
+    """Inverse of :func:`expand_hostlist`: consecutive names with one prefix and one padding
+    style share a bracket (``n1,n2,n3,n7`` -> ``n[1-3,7]``); the order is always kept."""
+    groups: list[tuple[str, int, list[str]] | str] = []      # (prefix, width, digits) | name
     for h in hosts:
         m = re.match(r"^(.*?)(\d+)$", h)
         if not m:
-            plain.append(h)
-            order.append(h)
+            groups.append(h)
             continue
         prefix, digits = m.group(1), m.group(2)
         padded = digits.startswith("0") and len(digits) > 1
-        key = (prefix, len(digits)) if padded or (prefix, len(digits)) in groups else (prefix, 0)
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        groups[key].append(int(digits))
-    out = []
-    for item in order:
-        if isinstance(item, str):
-            out.append(item)
-            continue
-        prefix, width = item
-        nums = groups[item]
-        if len(nums) == 1:
-            out.append(f"{prefix}{str(nums[0]).zfill(width)}")
-            continue
-        runs = []
-        for _, grp in itertools.groupby(enumerate(nums), lambda p: p[1] - p[0]):
-            run = [n for _, n in grp]
-            lo, hi = str(run[0]).zfill(width), str(run[-1]).zfill(width)
-            runs.append(lo if lo == hi else f"{lo}-{hi}")
-        out.append(f"{prefix}[{','.join(runs)}]")
-    return ",".join(out)
+        last = groups[-1] if groups else None
+        if isinstance(last, tuple) and last[0] == prefix and (
+                len(digits) == last[1] if last[1] else not padded):
+            last[2].append(digits)
+        else:
+            groups.append((prefix, len(digits) if padded else 0, [digits]))
+    return ",".join(g if isinstance(g, str) else _bracket(g[0], g[2]) for g in groups)
+
+
+def _bracket(prefix: str, digits: list[str]) -> str:
+    if len(digits) == 1:
+        return prefix + digits[0]
+    runs = []
+    for _, grp in itertools.groupby(enumerate(digits), lambda p: int(p[1]) - p[0]):
+        run = [d for _, d in grp]
+        runs.append(run[0] if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return f"{prefix}[{','.join(runs)}]"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,10 +74,6 @@ def test_compress_roundtrip_sorted_per_prefix(blocks: list) -> None:
     assert expand_hostlist(compress_hostlist(xs)) == xs
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: compress_hostlist groups by (prefix, digit width), so names of one prefix with "
-    "different widths (n1/n02, gpu05/gpu100) are reordered, against its 'order preserved "
-    "per prefix' docstring"))
 @pytest.mark.parametrize("xs", [["n1", "n02", "n3"], ["gpu100", "gpu05", "gpu101"]])
 def test_compress_roundtrip_mixed_widths_keeps_order(xs: list[str]) -> None:
     assert expand_hostlist(compress_hostlist(xs)) == xs
