@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _mpi
+
 CONFIGS = {"none": "local:1000000", "local": "local:1", "local+partner": "local:1,partner:1",
            "local+partner+pfs": "local:1,partner:1,pfs:10",
            "local+partner sync": "local:1,partner:1"}      # FTKIT_ASYNC=0: what overlap buys
@@ -81,15 +83,12 @@ def main() -> None:
     used = args.ranks            # hp_gpt runs one torch thread per rank
     print(f"cores: {cores}; training used {used} (one torch thread per rank), "
           f"{max(0, cores - used)} left to the background work")
-    report = {"machine": {"cores": cores, "python": platform.python_version(),
-                          "platform": platform.platform()},
+    report = {"machine": _mpi.machine(),
               "command": " ".join(["python", *sys.argv]),
               "args": vars(args), "cores_training": used,
               "cores_left": max(0, cores - used), "results": results,
               "goal": {"blocked_fraction_local+partner": 0.01}}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hp_overlap.json").write_text(json.dumps(report, indent=2) + "\n")
+    _mpi.write_report(args.out, "hp_overlap", report)
 
 
 if __name__ == "__main__":

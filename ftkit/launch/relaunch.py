@@ -349,8 +349,9 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
                    seconds=result.seconds, reason=result.reason, status=result.status)
             print(attempt_line(result, spec.max_restarts), file=out, flush=True)
-            if result.ok and _read_marker(done).get("stopped"):
-                return _stopped(cfg, launcher, _read_marker(done), out)
+            marker = _read_marker(done) if result.ok else {}
+            if marker.get("stopped"):
+                return _stopped(cfg, launcher, marker, out)
             if result.ok or result.interrupted is not None:
                 break
             if recover is not None and attempt < spec.max_restarts:
