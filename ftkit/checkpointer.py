@@ -201,7 +201,7 @@ class Checkpointer:
         level, PFS included, wait for it, close, and end the process cleanly with
         ``SystemExit(0)`` so a requeued job resumes here. All ranks call (they all saw the
         same decision)."""
-        levels = tuple(name for name in self.config.levels_all())
+        levels = self.config.levels_all()
         log.warning("rank %d: stop requested: final checkpoint of step %d on %s",
                     self.topo.rank, step, ",".join(levels))
         if self.last_committed is None or step > self.last_committed:
