@@ -37,6 +37,7 @@ from ftkit.errors import CheckpointError, ConfigError, ProtocolTimeout
 from ftkit.events import append_event
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import Snapshot, TwoPhase, commit_record, raise_if_failed
+from ftkit.recovery import pfs_restore
 from ftkit.recovery import restore as recovery
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
@@ -97,7 +98,7 @@ class Checkpointer:
                                   foreign_ok=self.pfs is not None)
         discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
         if self.pfs is not None:      # the PFS may hold a newer step than the local levels
-            pfs_step = recovery.restore_from_pfs(self.dc, self.pfs, state, self._emit,
+            pfs_step = pfs_restore.restore_from_pfs(self.dc, self.pfs, state, self._emit,
                                                  newer_than=found.step)
             if pfs_step:
                 self._emit("restore", step=pfs_step, level="pfs", discover_s=discover_s,
