@@ -17,6 +17,7 @@ from ftkit.errors import (
     FtkitError,
     LaunchError,
     NoCheckpointError,
+    StateMismatchError,
     UnrecoverableError,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "LaunchError",
     "NoCheckpointError",
     "RNGState",
+    "StateMismatchError",
     "Topology",
     "UnrecoverableError",
     "__version__",

@@ -9,11 +9,20 @@ from collections.abc import Mapping
 
 
 class FtkitError(Exception):
-    """Base class of every error ftkit raises on purpose."""
+    """Base class of every error ftkit raises on purpose.
+
+    ``recurs`` is True for errors that a relaunch of the same job would hit again (a bad
+    configuration, a checkpoint that cannot be used, a state that does not match it):
+    ``ftkit run`` stops instead of retrying them.
+    """
+
+    recurs: bool = False
 
 
 class ConfigError(FtkitError, ValueError):
     """A configuration key or value (or a topology shape) is invalid."""
+
+    recurs = True
 
 
 class CheckpointError(FtkitError):
@@ -68,7 +77,18 @@ class StorageError(FtkitError, OSError):
 
 
 class UnrecoverableError(FtkitError):
-    """No copy of a required shard survives on any level."""
+    """Committed checkpoints exist but none can be used (no copy of a required shard
+    survives on any level, or they belong to another run or layout). Nothing was deleted;
+    starting over is an explicit choice (``ftkit run --fresh`` / ``FTKIT_START=fresh``)."""
+
+    recurs = True
+
+
+class StateMismatchError(CheckpointError):
+    """The state passed to ``restore`` does not have the structure (names, shapes, dtypes)
+    of the checkpoint: resuming would silently train another model, so it is refused."""
+
+    recurs = True
 
 
 class LaunchError(FtkitError):

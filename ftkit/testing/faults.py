@@ -20,7 +20,8 @@ from ftkit.errors import ConfigError, InjectedFault
 log = logging.getLogger(__name__)
 
 KINDS = ("kill", "exit", "raise", "hang", "corrupt", "node")
-PHASES = ("between", "capture", "write-local", "encode", "vote", "decide", "commit", "flush",
+PHASES = ("between", "capture", "write-local", "encode", "vote", "decide", "announce", "commit",
+          "flush",
           "restore-discover", "restore-rebuild", "restore-load")
 KEYS = ("rank", "node", "step", "phase", "level", "attempt", "code")
 _INT_KEYS = ("rank", "node", "step", "attempt", "code")
