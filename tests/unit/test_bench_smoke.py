@@ -17,7 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
-pytestmark = pytest.mark.slow     # ~3 min: bench/run.py --smoke runs every part
+# bench/run.py --smoke runs every part, each under mpiexec (the recovery part under
+# `ftkit run`): minutes, and real jobs, so scripts/test.sh --fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 RUN_TIMEOUT = 1200
 
 
