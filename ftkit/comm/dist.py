@@ -5,16 +5,24 @@ communicator must call it, in the same order**. Each one is built on non-blockin
 operations polled against a deadline, so a rank that died or hangs turns into a
 :class:`~ftkit.errors.ProtocolTimeout` on the others instead of a silent hang. Small control
 messages travel as JSON bytes (never pickle).
+
+Bulk transfers (shards, parity) get a deadline that grows with their size,
+:meth:`DistComm.bulk_deadline`: ``FTKIT_TIMEOUT`` plus the bytes at
+:data:`MIN_BULK_BANDWIDTH`, so a large state on a slow link is not mistaken for a dead peer.
+Their point-to-point messages use :meth:`DistComm.bulk_tag` (fresh tags per transfer) and,
+on error, :meth:`DistComm.release` (cancel, or keep the buffers alive until MPI is done), so
+a failed transfer never leaves a receive or a send that a later transfer could match.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from mpi4py import MPI
@@ -23,6 +31,17 @@ from ftkit.errors import CheckpointError, ProtocolTimeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+#: The slowest rate (bytes/s) at which a bulk transfer may progress before it counts as
+#: stuck: a transfer of ``n`` bytes gets ``FTKIT_TIMEOUT + n / MIN_BULK_BANDWIDTH`` seconds.
+#: 50 MB/s is far below any link ftkit runs on (TCP ~2 GB/s, shared memory ~4 GB/s, a busy
+#: 1 GbE ~100 MB/s), so only a peer that is dead or hung runs into it.
+MIN_BULK_BANDWIDTH = 50e6
+#: Bulk tags start here (tags below are left to other users of the communicator).
+TAG_FLOOR = 1 << 10
+#: Transfers between one pair of ranks for one step before their tags repeat.
+TAG_ORDINALS = 16
+_TAG_KEYS_KEPT = 4096
 
 
 class DistComm:
@@ -33,6 +52,10 @@ class DistComm:
         self.timeout = timeout
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self._tag_uses: dict[tuple[int, int, int], int] = {}
+        self._orphans: list[tuple[list[MPI.Request], list[Any]]] = []
+        tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self._tag_slots = (int(tag_ub or 32767) - TAG_FLOOR + 1) // TAG_ORDINALS
 
     # ---------------------------------------------------------------- plumbing
     def wait(self, req: MPI.Request, phase: str, step: int | None) -> None:
@@ -40,28 +63,106 @@ class DistComm:
         self.waitall([req], phase, step)
 
     def waitall(self, reqs: list[MPI.Request], phase: str, step: int | None, *,
-                spin: bool = False) -> None:
+                spin: bool = False, nbytes: int | None = None) -> None:
         """Poll ``reqs`` until all complete or the deadline passes (then raise).
 
-        Non-blocking MPI operations progress only inside MPI calls, so bulk transfers
-        (``spin=True``) poll back to back, yielding the CPU in between; small control
-        messages back off to millisecond sleeps."""
-        deadline = time.monotonic() + self.timeout
+        The deadline is ``FTKIT_TIMEOUT``, or :meth:`bulk_deadline` of ``nbytes`` for a bulk
+        transfer. Non-blocking MPI operations progress only inside MPI calls, so bulk
+        transfers (``spin=True`` or ``nbytes`` given) poll back to back, yielding the CPU in
+        between; small control messages back off to millisecond sleeps. On a timeout the
+        requests are left as they are: see :meth:`waitall_bulk` for transfers."""
+        limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
+        spin = spin or nbytes is not None
+        deadline = time.monotonic() + limit
         pause = 0.0
         while reqs and not MPI.Request.Testall(reqs):
             if time.monotonic() > deadline:
-                raise self.timeout_error(phase, step)
+                raise self.timeout_error(phase, step, nbytes=nbytes)
             time.sleep(pause)
             if not spin:
                 pause = min(0.005, pause + 0.0002)
 
-    def timeout_error(self, phase: str, step: int | None) -> ProtocolTimeout:
+    def waitall_bulk(self, reqs: list[MPI.Request], phase: str, step: int | None,
+                     nbytes: int, keep: Sequence[Any], *, cancel: bool = True) -> None:
+        """:meth:`waitall` for a bulk transfer of ``nbytes``; on any error the requests are
+        released (:meth:`release`, ``keep``: their buffers) before the error propagates.
+        ``cancel=False`` for non-blocking collectives (which cannot be cancelled)."""
+        try:
+            self.waitall(reqs, phase, step, nbytes=nbytes)
+        except BaseException:
+            self.release(reqs, keep, cancel=cancel)
+            raise
+
+    def bulk_deadline(self, nbytes: int) -> float:
+        """Seconds a bulk transfer of ``nbytes`` may take before it is an error:
+        ``FTKIT_TIMEOUT + nbytes / MIN_BULK_BANDWIDTH`` (local, pure)."""
+        return self.timeout + max(0, nbytes) / MIN_BULK_BANDWIDTH
+
+    def timeout_error(self, phase: str, step: int | None, *,
+                      nbytes: int | None = None) -> ProtocolTimeout:
         """The error of a phase that missed its deadline on this rank."""
+        if nbytes is None:
+            limit = f"{self.timeout:g} s (FTKIT_TIMEOUT)"
+        else:
+            limit = (f"{self.bulk_deadline(nbytes):g} s (FTKIT_TIMEOUT {self.timeout:g} s + "
+                     f"{nbytes} bytes at {MIN_BULK_BANDWIDTH / 1e6:g} MB/s)")
         return ProtocolTimeout(
             step if step is not None else -1,
-            {self.rank: f"phase {phase!r} did not complete within {self.timeout:g} s "
-                        f"(FTKIT_TIMEOUT); a peer rank is dead or hung"},
+            {self.rank: f"phase {phase!r} did not complete within {limit}; a peer rank is "
+                        f"dead or hung"},
             message=f"timeout in phase {phase!r} of step {step}")
+
+    # ----------------------------------------------------- point-to-point bulk hygiene
+    def bulk_tag(self, step: int, src: int, dst: int) -> int:
+        """A fresh tag for one bulk transfer from rank ``src`` to rank ``dst`` of this
+        communicator for ``step``. Local, but both ends must call it once per transfer (the
+        sender with ``src`` = itself, the receiver with ``dst`` = itself): the tag follows
+        from the step and how many transfers between the pair this rank started for that
+        step, so both compute the same one, and the messages of an earlier transfer that
+        failed (a send MPI could not cancel) never match a later one. Tags repeat after
+        :data:`TAG_ORDINALS` transfers of one pair in one step, or for steps that are a
+        multiple of ``(TAG_UB - TAG_FLOOR + 1) / TAG_ORDINALS`` apart (134 million with
+        Open MPI)."""
+        key = (step, src, dst)
+        n = self._tag_uses.pop(key, 0)
+        self._tag_uses[key] = n + 1          # most recently used last
+        if len(self._tag_uses) > _TAG_KEYS_KEPT:
+            del self._tag_uses[next(iter(self._tag_uses))]
+        return TAG_FLOOR + (step % self._tag_slots) * TAG_ORDINALS + n % TAG_ORDINALS
+
+    def release(self, reqs: Sequence[MPI.Request], keep: Sequence[Any] = (), *,
+                cancel: bool = True) -> None:
+        """After an error: cancel the point-to-point requests of ``reqs`` still pending and
+        complete the cancellations. MPI may be unable to cancel some (a send that is already
+        matched, or any send under Open MPI): those, and their buffers ``keep``, are kept
+        here and reaped by later calls once MPI is done with them, so no buffer is unmapped
+        or reused under a pending operation. Local call."""
+        live = [r for r in reqs if r]
+        if cancel:
+            for req in live:
+                with contextlib.suppress(MPI.Exception):
+                    req.Cancel()
+        grace = time.monotonic() + 0.05         # a cancelled receive completes at once
+        while live:
+            live = [r for r in live if not _test(r)]
+            if not live or time.monotonic() > grace:
+                break
+            time.sleep(0)
+        if live:
+            log.debug("rank %d: %d request(s) could not be cancelled; kept until done",
+                      self.rank, len(live))
+            self._orphans.append((live, list(keep)))
+        self.reap()
+
+    def reap(self) -> int:
+        """Forget orphaned requests that completed; returns how many are still pending."""
+        alive = []
+        for reqs, keep in self._orphans:
+            reqs = [r for r in reqs if not _test(r)]
+            if reqs:
+                alive.append((reqs, keep))
+        self._orphans = alive
+        return sum(len(r) for r, _ in alive)
 
     # -------------------------------------------------------------- collectives
     def split(self, color: int, key: int) -> DistComm:
@@ -140,6 +241,14 @@ class DistComm:
                 self.comm.Free()
             except MPI.Exception:
                 pass
+
+
+def _test(req: MPI.Request) -> bool:
+    """True when ``req`` completed (or is unusable); never raises."""
+    try:
+        return bool(req.Test())
+    except MPI.Exception:
+        return True
 
 
 def describe(exc: BaseException) -> str:

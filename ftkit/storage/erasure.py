@@ -8,6 +8,18 @@ of the mapped shard (no copy); RS sends scaled copies.
 ``step-<s>/<xor|rs>-<set>-<index>.ftk`` is written with the shard format: its ``p`` parity
 segments are checksummed tensors and its header records the set, the size and the whole-file
 checksum of every member's shard, so a rebuilt shard is verified before it is used.
+
+Parity is computed in memory from partial sums received over MPI, and its file checksum is
+computed from that memory, so the checksum alone cannot reveal a partial sum corrupted in
+transfer. Encoding therefore checks every parity segment end to end before it is written:
+each member publishes the :func:`fold` of its data segments (the XOR of their
+:data:`FOLD`-byte blocks, computed in one pass), and the holder compares the fold of the
+parity it received with the same combination of the members' folds. The fold is linear over
+GF(256) byte by byte, so ``fold(sum c_x * d_x) = sum c_x * fold(d_x)`` holds exactly for XOR
+and RS; any corruption confined to fewer than FOLD consecutive bytes (a flipped bit or byte,
+a garbled word) changes the fold, so such a parity makes ``encode`` raise on its holder,
+which votes no: a parity corrupted in transfer is never covered by COMMITTED. (Damage after
+the write is caught at restore by the file's checksum.)
 """
 from __future__ import annotations
 
@@ -31,6 +43,21 @@ from ftkit.storage.transfer import mapped
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
+#: bytes of a segment's fold (a multiple of 8; segments are multiples of ALIGN bytes)
+FOLD = 512
+
+
+def fold(seg: np.ndarray) -> np.ndarray:
+    """XOR of the FOLD-byte blocks of ``seg`` (the last one zero-padded): FOLD bytes.
+    Linear over GF(256) in every byte: ``fold(c * a ^ b) == c * fold(a) ^ fold(b)``."""
+    words, lane = seg.view(np.uint64), FOLD // 8
+    whole = len(words) // lane * lane
+    out = np.zeros(lane, dtype=np.uint64)
+    if whole:
+        np.bitwise_xor.reduce(words[:whole].reshape(-1, lane), axis=0, out=out)
+    tail = words[whole:]
+    out[:len(tail)] ^= tail
+    return out.view(np.uint8)
 
 
 def segment_size(sizes: list[int], m: int) -> int:
@@ -75,13 +102,18 @@ class ErasureLevel(Level):
 
     # ------------------------------------------------------------------ encode
     def encode(self, step: int) -> None:
-        """Compute and store this member's parity segments. Collective over the set."""
+        """Compute, check and store this member's parity segments. Collective over the set;
+        raises CorruptCheckpointError on a member whose parity arrived damaged."""
         with mapped(self.local.shard_path(step)) as data:
             info = self.sdc.allgather({"size": len(data), "checksum": checksum(data)},
                                       "encode", step)
             sizes = [i["size"] for i in info]
             s = segment_size(sizes, self.layout.m)
-            parity = self._reduce_parity(segments(data, self.layout.m, s), s, step)
+            segs = segments(data, self.layout.m, s)
+            folds = self.sdc.allgather([fold(seg).tobytes().hex() for seg in segs],
+                                       "encode", step)
+            parity = self._reduce_parity(segs, s, step)
+        self._check_parity(step, parity, [[bytes.fromhex(f) for f in fs] for fs in folds])
         meta = {"job": self.local.root.parent.name, "step": step, "rank": self.local.rank,
                 "world": -1, "level": self.name, "set": self.set_id, "members": self.members,
                 "index": self.index, "k": self.layout.k, "p": self.layout.p, "seg": s,
@@ -89,15 +121,35 @@ class ErasureLevel(Level):
         leaves = [TensorLeaf(f"parity/{j}", "numpy", "|u1", (s,), s)
                   for j in range(self.layout.p)]
         write_shard(self.parity_path(step), meta, None, leaves, parity)
-        self.faults.after_write(self.parity_path(step), level=self.name, step=step)
+
+    def _check_parity(self, step: int, parity: list[np.ndarray], folds: list[list[bytes]]
+                      ) -> None:
+        """Compare the fold of each parity segment held here with the combination of the
+        folds of the data segments it encodes (``folds[member][segment]``)."""
+        lay, me = self.layout, self.index
+        for j in range(lay.p):
+            t = (me - j) % lay.k                     # stripe whose parity j I hold
+            want = np.zeros(FOLD, dtype=np.uint8)
+            for x, mem in enumerate(lay.data_members(t)):
+                part = np.frombuffer(folds[mem][lay.seg_index(mem, t)], dtype=np.uint8)
+                np.bitwise_xor(want, gf256.scale_into(np.empty(FOLD, np.uint8),
+                                                      lay.coef[j][x], part), out=want)
+            if not np.array_equal(fold(parity[lay.parity_slot(me, t)]), want):
+                raise CorruptCheckpointError(
+                    str(self.parity_path(step)), f"parity {j} of stripe {t} does not match "
+                    f"the data of set members {lay.data_members(t)} (corrupted in transfer "
+                    f"from member {(me - 1) % lay.k}); not written",
+                    rank=self.local.rank, step=step, level=self.name)
 
     def _reduce_parity(self, segs: list[np.ndarray], s: int, step: int) -> list[np.ndarray]:
         """Ring reduce-scatter (SCR's XOR pattern), one pass per parity index j: the partial
         sum of stripe t's parity j starts at its holder's successor, gathers every member's
         contribution around the ring and arrives at the holder after k - 1 hops. Each rank
-        sends and receives p (k - 1) segments of s bytes; XOR runs on 64-bit words."""
+        sends and receives p (k - 1) segments of s bytes; XOR runs on 64-bit words. The
+        ``corrupt`` fault of this level hits the last partial sum received (the parity)."""
         lay, me, k = self.layout, self.index, self.layout.k
         comm, nxt, prv = self.sdc.comm, (me + 1) % k, (me - 1) % k
+        tag_out, tag_in = self.sdc.bulk_tag(step, me, nxt), self.sdc.bulk_tag(step, prv, me)
         parity: list[np.ndarray] = [np.empty(0, np.uint8)] * lay.p
         scratch = np.empty(s, dtype=np.uint8) if lay.p > 1 else None
         for j in range(lay.p):
@@ -113,9 +165,10 @@ class ErasureLevel(Level):
                     else:
                         np.bitwise_xor(inbox.view(np.uint64), mine.view(np.uint64),
                                        out=acc.view(np.uint64))
-                self.sdc.waitall([comm.Isend(_words(send), nxt, tag=100 + j),
-                                  comm.Irecv(_words(inbox), prv, tag=100 + j)],
-                                 "encode", step, spin=True)
+                self.sdc.waitall_bulk([comm.Isend(_words(send), nxt, tag=tag_out),
+                                       comm.Irecv(_words(inbox), prv, tag=tag_in)],
+                                      "encode", step, 2 * s, [send, inbox, acc, *segs])
+            self.faults.corrupt_buffer(inbox, level=self.name, step=step)
             parity[lay.parity_slot(me, (me - j) % k)] = inbox
         return parity
 
@@ -202,7 +255,8 @@ class ErasureLevel(Level):
                 reqs.append(self.sdc.comm.Ireduce(_words(send), recv, op=MPI.BXOR,
                                                   root=target))
                 keep.append(send)
-        self.sdc.waitall(reqs, "restore-rebuild", step, spin=True)
+        self.sdc.waitall_bulk(reqs, "restore-rebuild", step, s * len(reqs), [*keep, *out],
+                              cancel=False)
         return out
 
     def _my_segments(self, stack: contextlib.ExitStack, step: int, data_ok: bool,

@@ -2,19 +2,24 @@
 
 ``step-<s>/partner-<r>.ftk`` on node B is a byte copy of rank r's ``rank-<r>.ftk`` (r lives on
 node A != B), streamed over MPI by :func:`~ftkit.storage.transfer.exchange`. The copy is
-self-checking (header checksum + one checksum per tensor): a corrupted copy is never used.
+self-checking (header checksum + one checksum per tensor) and checked twice: while it
+streams in (a copy corrupted in transfer makes ``encode`` raise on the receiving rank, which
+votes no, so the step is aborted) and at restore (a copy damaged at rest is never used). A
+shard sent back at rebuild is checked the same way on the rank that receives it.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard
-from ftkit.storage.transfer import exchange
+from ftkit.storage.transfer import Verify, exchange
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -37,12 +42,21 @@ class PartnerLevel(Level):
     def copy_path(self, step: int, source: int) -> Path:
         return self.local.step_dir(step) / f"partner-{source}.ftk"
 
+    def _verify(self, step: int, *, mine: bool = False) -> Verify:
+        """Checks for received shards of ``step``: the sender's own shard, or (``mine``)
+        this rank's shard sent back from its copy."""
+        def tamper(buf: np.ndarray) -> bool:
+            return self.faults.corrupt_buffer(buf, level=self.name, step=step)
+        return Verify(self.name, step, self.dc.size, tamper=tamper,
+                      owner=(lambda _source: self.rank) if mine else None)
+
     def encode(self, step: int) -> None:
-        """Send my shard to my partner, receive the shards I hold. Collective over dc."""
+        """Send my shard to my partner, receive (and verify, as it streams in) the shards I
+        hold. Collective over dc; raises CorruptCheckpointError on a receiver whose copy
+        arrived damaged (its peers complete normally)."""
         exchange(self.dc, [(self.local.shard_path(step), self.partners[self.rank])],
-                 [(self.copy_path(step, q), q) for q in self.sources], "encode", step)
-        for q in self.sources:
-            self.faults.after_write(self.copy_path(step, q), level=self.name, step=step)
+                 [(self.copy_path(step, q), q) for q in self.sources], "encode", step,
+                 verify=self._verify(step))
 
     def discard(self, step: int) -> None:
         if not self.local.is_committed(step):
@@ -72,4 +86,5 @@ class PartnerLevel(Level):
             self.local.ensure_step_dir(step)
         recvs = [(self.local.shard_path(step), self.partners[self.rank])] \
             if self.rank in lost else []
-        exchange(self.dc, sends, recvs, "restore-rebuild", step)
+        exchange(self.dc, sends, recvs, "restore-rebuild", step,
+                 verify=self._verify(step, mine=True))

@@ -3,24 +3,36 @@
 The sender maps its file read-only and posts ``Isend`` of views (no copy); the receiver
 takes chunks into two reused buffers and writes each while the next one arrives; then fsync
 and an atomic rename. Messages are cut into chunks of at most CHUNK bytes.
+
+A received shard is never trusted unverified: with :class:`Verify`, :class:`StreamCheck`
+checks the bytes as they stream in (the header from the first chunk(s), then every tensor's
+checksum over its byte range as the range arrives, and that padding is zero), so a copy
+corrupted in transfer is refused without a second pass over the file. Each transfer uses a
+fresh tag (:meth:`DistComm.bulk_tag`); a failed exchange cancels or parks every request it
+posted (:meth:`DistComm.release`), so it cannot swallow or feed a later exchange.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import xxhash
 from mpi4py import MPI
 
 from ftkit.comm.dist import DistComm
-from ftkit.storage.shard import _write_all, fsync_dir
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage.shard import _PREAMBLE, MAGIC, VERSION, Shard, _write_all, fsync_dir
 
 CHUNK = 8 << 20
-TAG_SIZE, TAG_DATA = 7301, 7302
+_XXH3 = "xxh3-64:"
 
 
 @contextlib.contextmanager
@@ -39,7 +51,7 @@ def mapped(path: Path) -> Iterator[np.ndarray]:
             yield view
         finally:
             del view
-            with contextlib.suppress(BufferError):
+            with contextlib.suppress(BufferError):   # views still alive: unmapped at GC
                 mm.close()
 
 
@@ -47,68 +59,271 @@ def chunks(view: np.ndarray) -> list[np.ndarray]:
     return [view[i:i + CHUNK] for i in range(0, len(view), CHUNK)] or [view[:0]]
 
 
-class FileSend:
-    """Post the sends of one file to ``dest``; keep the object alive until completion."""
+# ------------------------------------------------------------------ verification
+@dataclasses.dataclass(frozen=True)
+class Verify:
+    """How received files are checked: each must be a shard of ``step`` of a ``world``-rank
+    job, owned by rank ``owner(source)`` (default: the sending rank); ``level`` names the
+    level in errors. ``tamper`` is the fault-injection hook (``Faults.corrupt_buffer``),
+    called on every received chunk before it is checked."""
 
-    def __init__(self, comm: MPI.Comm, path: Path, dest: int) -> None:
-        self._ctx = mapped(path)
-        self.view = self._ctx.__enter__()
-        self.size = np.array([len(self.view)], dtype=np.int64)
-        self.reqs = [comm.Isend([self.size, MPI.INT64_T], dest, TAG_SIZE)]
-        self.reqs += [comm.Isend([c, MPI.BYTE], dest, TAG_DATA) for c in chunks(self.view)]
+    level: str
+    step: int
+    world: int | None = None
+    owner: Callable[[int], int] | None = None
+    tamper: Callable[[np.ndarray], object] | None = None
+
+    def rank_of(self, source: int) -> int:
+        return source if self.owner is None else self.owner(source)
+
+
+class StreamCheck:
+    """Verify one ``.ftk`` shard from its bytes in file order, as they arrive.
+
+    :meth:`feed` takes consecutive pieces of the file (any sizes); it reads the preamble and
+    header from the first piece(s) (magic, version, header checksum, identity, bounds),
+    then hashes each tensor's byte range as it streams past and compares the checksum the
+    moment the range is complete; the padding between tensors must be zero, so every byte
+    of the file is covered. :meth:`finish` checks that nothing is missing. Both raise
+    :class:`CorruptCheckpointError` naming the file, the source rank, the shard's rank, the
+    step and the level."""
+
+    def __init__(self, path: Path, size: int, *, source: int, rank: int, step: int,
+                 world: int | None, level: str) -> None:
+        self.path, self.size, self.source = path, size, source
+        self.rank, self.step, self.world, self.level = rank, step, world, level
+        self.pos = 0                                     # bytes fed so far
+        self.header: dict[str, Any] | None = None
+        self._head = bytearray()
+        self._need = _PREAMBLE.size                      # header bytes needed next
+        self._spans: list[tuple[int, int, str, str]] = []  # offset, end, checksum, path
+        self._i = 0
+        self._hash = xxhash.xxh3_64()
+
+    def bad(self, reason: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            str(self.path), f"corrupted in transfer from rank {self.source}: {reason}",
+            rank=self.rank, step=self.step, level=self.level)
+
+    def feed(self, piece: np.ndarray) -> None:
+        """Check the next ``len(piece)`` bytes of the file."""
+        start, n = self.pos, len(piece)
+        if start + n > self.size:
+            raise self.bad(f"more than the {self.size} bytes announced")
+        self.pos += n
+        used = 0
+        while self.header is None and used < n:
+            take = min(n - used, self._need - len(self._head))
+            self._head += piece[used:used + take].tobytes()
+            used += take
+            while self.header is None and len(self._head) == self._need:
+                self._parse_head()
+        if used < n:
+            self._data(piece[used:], start + used)
+
+    def finish(self) -> None:
+        """Raise unless the whole shard arrived and checked out."""
+        if self.header is None:
+            raise self.bad(f"{self.pos} bytes, the shard header is incomplete (truncated)")
+        self._close_spans(self.pos)
+        if self.pos != self.size or self._i < len(self._spans):
+            raise self.bad(f"{self.pos} of {self.size} bytes arrived (truncated)")
+
+    def _parse_head(self) -> None:
+        if len(self._head) == _PREAMBLE.size:
+            magic, version, hlen, _ = _PREAMBLE.unpack_from(self._head, 0)
+            if magic != MAGIC:
+                raise self.bad(f"not an ftkit shard (magic {magic!r}, expected {MAGIC!r})")
+            if version != VERSION:
+                raise self.bad(f"shard format version {version}, this ftkit reads {VERSION}")
+            if _PREAMBLE.size + hlen > self.size:
+                raise self.bad(f"header of {hlen} bytes runs past the end of the "
+                               f"{self.size}-byte file (truncated)")
+            self._need = _PREAMBLE.size + hlen
+            if hlen:
+                return
+        hsum = _PREAMBLE.unpack_from(self._head, 0)[3]
+        raw = bytes(self._head[_PREAMBLE.size:])
+        if xxhash.xxh3_64_intdigest(raw) != hsum:
+            raise self.bad("header checksum mismatch")
+        try:
+            header = json.loads(raw)
+            spans = sorted((int(t["offset"]), int(t["offset"]) + int(t["nbytes"]),
+                            str(t["checksum"]), str(t["path"])) for t in header["tensors"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise self.bad(f"malformed shard header: {exc!r}") from exc
+        end = self._need
+        for off, stop, digest, name in spans:
+            if off < end or stop > self.size:
+                raise self.bad(f"tensor {name} at bytes {off}..{stop} overlaps the header or "
+                               f"another tensor, or runs past the {self.size}-byte file")
+            if not digest.startswith(_XXH3):
+                raise self.bad(f"tensor {name} has an unknown checksum {digest!r}")
+            end = stop
+        try:
+            Shard(self.path, None, header).check_identity(
+                rank=self.rank, step=self.step, world=self.world, level=self.level)
+        except CorruptCheckpointError as exc:
+            raise self.bad(exc.reason) from None
+        self.header, self._spans = header, spans
+
+    def _data(self, piece: np.ndarray, pos: int) -> None:
+        """Bytes at and after the header: padding (must be zero) and tensor ranges."""
+        while len(piece):
+            self._close_spans(pos)
+            off, end = self._spans[self._i][:2] if self._i < len(self._spans) else \
+                (self.size, self.size)
+            if pos < off:
+                k = min(off - pos, len(piece))
+                if piece[:k].any():
+                    raise self.bad(f"non-zero padding in bytes {pos}..{pos + k}")
+            else:
+                k = min(end - pos, len(piece))
+                self._hash.update(piece[:k].data)
+            pos += k
+            piece = piece[k:]
+        self._close_spans(pos)
+
+    def _close_spans(self, pos: int) -> None:
+        """Compare the checksum of every tensor that ends at ``pos``."""
+        while self._i < len(self._spans) and self._spans[self._i][1] == pos:
+            _, _, want, name = self._spans[self._i]
+            got = _XXH3 + self._hash.hexdigest()
+            self._hash.reset()
+            self._i += 1
+            if got != want:
+                raise self.bad(f"checksum mismatch in tensor {name}")
+
+
+# ------------------------------------------------------------------ one file each way
+class FileSend:
+    """The sends of one file to ``dest``: a size message, then the chunks (views of the
+    mapped file, no copy), all with one tag (MPI keeps their order)."""
+
+    def __init__(self, path: Path, dest: int, tag: int) -> None:
+        self.path, self.dest, self.tag = path, dest, tag
+        self.reqs: list[MPI.Request] = []
+        self.size = np.zeros(1, dtype=np.int64)
+        self._ctx: contextlib.AbstractContextManager[np.ndarray] | None = None
+        self._chunks: list[np.ndarray] = []
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size[0])
+
+    def post(self, comm: MPI.Comm) -> None:
+        self._ctx = mapped(self.path)
+        view = self._ctx.__enter__()
+        self.size[0] = len(view)
+        self._chunks = chunks(view)
+        self.reqs = [comm.Isend([self.size, MPI.INT64_T], self.dest, self.tag)]
+        self.reqs += [comm.Isend([c, MPI.BYTE], self.dest, self.tag) for c in self._chunks]
+
+    def buffers(self) -> list[np.ndarray]:
+        return [self.size, *self._chunks]
 
     def close(self) -> None:
-        self._ctx.__exit__(None, None, None)
+        """Unmap the file (deferred while a released request still holds a chunk)."""
+        self._chunks = []
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
 
 
 class FileRecv:
     """Receive one file from ``source`` into ``path``: the size first, then chunks into two
-    reused buffers (one receiving while the other is written), then fsync and rename.
-    Writing through ``write(2)`` avoids a page fault per page of a freshly mapped file."""
+    reused buffers (one receiving while the other is checked and written), then fsync and
+    rename. Writing through ``write(2)`` avoids a page fault per page of a freshly mapped
+    file. With ``verify``, each chunk is checked by a :class:`StreamCheck` before it is
+    written; after a mismatch the rest of the stream is drained (so the sender completes)
+    but nothing more is written, and :meth:`finish` raises."""
 
-    def __init__(self, comm: MPI.Comm, path: Path, source: int) -> None:
-        self.comm, self.path, self.source = comm, path, source
+    def __init__(self, comm: MPI.Comm, path: Path, source: int, tag: int,
+                 verify: Verify | None = None) -> None:
+        self.comm, self.path, self.source, self.tag = comm, path, source, tag
+        self.verify = verify
         self.tmp = path.with_name(f".{path.name}.tmp")
         self.size = np.zeros(1, dtype=np.int64)
-        self.reqs = [comm.Irecv([self.size, MPI.INT64_T], source, TAG_SIZE)]
+        self.size_req: MPI.Request | None = None
+        self.check: StreamCheck | None = None
+        self.error: CorruptCheckpointError | None = None
         self._fd: int | None = None
         self._bufs: list[np.ndarray] = []
         self._next = 0            # offset of the next chunk to post
         self._pending: tuple[MPI.Request, np.ndarray] | None = None
         self.done = False
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.size[0])
+
+    def post_size(self) -> MPI.Request:
+        self.size_req = self.comm.Irecv([self.size, MPI.INT64_T], self.source, self.tag)
+        return self.size_req
+
     def start(self) -> None:
         """After the size arrived: create the destination and post the first chunk."""
+        self.size_req = None
+        if self.verify is not None:
+            v = self.verify
+            self.check = StreamCheck(self.path, self.nbytes, source=self.source,
+                                     rank=v.rank_of(self.source), step=v.step, world=v.world,
+                                     level=v.level)
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        n = min(CHUNK, int(self.size[0]))
+        n = min(CHUNK, self.nbytes)
         self._bufs = [np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)]
         self._post()
 
     def _post(self) -> None:
-        size = int(self.size[0])
-        n = min(CHUNK, size - self._next)
+        n = min(CHUNK, self.nbytes - self._next)
         buf = self._bufs[(self._next // CHUNK) % 2][:n]
-        self._pending = (self.comm.Irecv([buf, MPI.BYTE], self.source, TAG_DATA), buf)
+        self._pending = (self.comm.Irecv([buf, MPI.BYTE], self.source, self.tag), buf)
         self._next += n
 
     def poll(self) -> bool:
-        """Progress: when the chunk in flight arrived, post the next and write this one."""
+        """Progress: when the chunk in flight arrived, post the next and take this one."""
         if self.done:
             return True
-        assert self._pending is not None and self._fd is not None
+        assert self._pending is not None
         req, buf = self._pending
         if not req.Test():
             return False
-        if self._next < int(self.size[0]):
+        if self._next < self.nbytes:
             self._post()
         else:
             self._pending = None
             self.done = True
-        _write_all(self._fd, buf)
+        self._take(buf)
         return self.done
 
+    def _take(self, buf: np.ndarray) -> None:
+        if self.verify is not None and self.verify.tamper is not None:
+            self.verify.tamper(buf)
+        if self.error is not None:
+            return                                   # draining a refused stream
+        try:
+            if self.check is not None:
+                self.check.feed(buf)
+        except CorruptCheckpointError as exc:
+            self.error = exc
+            self.abandon()
+            return
+        assert self._fd is not None
+        _write_all(self._fd, buf)
+
+    def pending(self) -> list[MPI.Request]:
+        return [r for r in (self.size_req, self._pending[0] if self._pending else None)
+                if r is not None]
+
+    def buffers(self) -> list[np.ndarray]:
+        return [self.size, *self._bufs]
+
     def finish(self) -> None:
-        """fsync and rename into place."""
+        """Raise if the file was refused; else fsync and rename into place."""
+        if self.error is not None:
+            raise self.error
+        if self.check is not None:
+            self.check.finish()
         assert self._fd is not None
         os.fsync(self._fd)
         os.close(self._fd)
@@ -123,41 +338,71 @@ class FileRecv:
         self.tmp.unlink(missing_ok=True)
 
 
+# ------------------------------------------------------------------------- calls
 def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path, int]],
-             phase: str, step: int) -> None:
+             phase: str, step: int, *, verify: Verify | None = None) -> None:
     """Send and receive whole files point-to-point (each pair of ranks exchanges at most one
     file per direction per call). Every rank named as a peer must call with the matching
-    entry; ranks with nothing to do may skip the call."""
-    out = [FileSend(dc.comm, path, dest) for path, dest in sends]
-    into = [FileRecv(dc.comm, path, source) for path, source in recvs]
+    entry (and the same ``step``); ranks with nothing to do may skip the call.
+
+    Sizes travel under ``FTKIT_TIMEOUT``; the files under :meth:`DistComm.bulk_deadline` of
+    the bytes this rank sends and receives. With ``verify``, every received file is checked
+    while it streams in; a file that fails is not kept and the call raises its
+    CorruptCheckpointError once every transfer of the call has completed. On any error every
+    request the call posted is released (cancelled, or parked until MPI is done with it) and
+    no partial file is left."""
+    dc.reap()
+    tags: dict[tuple[int, int], int] = {}
+
+    def tag(src: int, dst: int) -> int:        # one tag per pair (a file to itself: one)
+        if (src, dst) not in tags:
+            tags[src, dst] = dc.bulk_tag(step, src, dst)
+        return tags[src, dst]
+    out = [FileSend(path, dest, tag(dc.rank, dest)) for path, dest in sends]
+    into = [FileRecv(dc.comm, path, source, tag(source, dc.rank), verify)
+            for path, source in recvs]
     try:
-        dc.waitall([r for x in into for r in x.reqs], phase, step)
+        sizes = [rx.post_size() for rx in into]
+        for tx in out:
+            tx.post(dc.comm)
+        dc.waitall(sizes, phase, step)
         for rx in into:
             rx.start()
-        sent = [r for x in out for r in x.reqs]
-        deadline = time.monotonic() + dc.timeout
+        nbytes = sum(tx.nbytes for tx in out) + sum(rx.nbytes for rx in into)
+        sent = [r for tx in out for r in tx.reqs]
+        deadline = time.monotonic() + dc.bulk_deadline(nbytes)
         # poll every receiver on every pass (a list, not a short-circuiting generator)
         while not (all([rx.poll() for rx in into]) and MPI.Request.Testall(sent)):  # noqa: C419
             if time.monotonic() > deadline:
-                raise dc.timeout_error(phase, step)
+                raise dc.timeout_error(phase, step, nbytes=nbytes)
             time.sleep(0)
+        refused = [rx.error for rx in into if rx.error is not None]
+        if refused:
+            raise refused[0]
         for rx in into:
             rx.finish()
     except BaseException:
+        dc.release([r for tx in out for r in tx.reqs] + [r for rx in into for r in rx.pending()],
+                   [b for tx in out for b in tx.buffers()]
+                   + [b for rx in into for b in rx.buffers()])
         for rx in into:
             rx.abandon()
         raise
     finally:
         for tx in out:
-            tx.reqs = []
             tx.close()
 
 
 def recv_buffer(dc: DistComm, source: int, phase: str, step: int) -> np.ndarray:
-    """Receive one file sent with :class:`FileSend` into memory (size, then chunks)."""
+    """Receive one file that ``source`` sends with :func:`exchange` (same ``step``) into
+    memory: the size under ``FTKIT_TIMEOUT``, the bytes under the bulk deadline. On error
+    the posted receives are released."""
+    dc.reap()
+    tag = dc.bulk_tag(step, source, dc.rank)
     size = np.zeros(1, dtype=np.int64)
-    dc.waitall([dc.comm.Irecv([size, MPI.INT64_T], source, TAG_SIZE)], phase, step)
+    dc.waitall_bulk([dc.comm.Irecv([size, MPI.INT64_T], source, tag)], phase, step, 0, [size])
     buf = np.empty(int(size[0]), dtype=np.uint8)
-    dc.waitall([dc.comm.Irecv([c, MPI.BYTE], source, TAG_DATA) for c in chunks(buf)],
-               phase, step, spin=True)
+    parts = chunks(buf)
+    dc.waitall_bulk([dc.comm.Irecv([c, MPI.BYTE], source, tag) for c in parts], phase, step,
+                    len(buf), [buf, *parts])
     return buf

@@ -1,8 +1,16 @@
 """Fault injection driven by ``FTKIT_FAULTS`` (DESIGN §6).
 
 ``FTKIT_FAULTS="kind:key=val:key=val;kind:..."``. Protocol code calls :meth:`Faults.fire`
-at the start of every phase and :meth:`Faults.after_write` right after a file is written.
+at the start of every phase, :meth:`Faults.after_write` right after a file is written and
+:meth:`Faults.corrupt_buffer` on data received over MPI, before it is verified.
 A fault fires once per process, only on the launch attempt named by ``attempt`` (default 0).
+
+Where ``corrupt`` strikes depends on its level: for ``local`` and ``pfs`` it flips a byte of
+the rank's file right after it is written (corruption at rest); for ``partner``, ``xor`` and
+``rs``, whose data travels over MPI, it flips a byte of what the rank *receives* (a corrupted
+transfer): the first non-empty chunk of a partner copy (or of a shard sent back at rebuild),
+or the parity this rank receives at the end of an XOR/RS encoding ring. Receivers verify
+that data before it is kept, so the step is refused, never committed with a bad copy.
 """
 from __future__ import annotations
 
@@ -14,11 +22,17 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ftkit.errors import ConfigError, InjectedFault
 
+if TYPE_CHECKING:
+    import numpy as np
+
 log = logging.getLogger(__name__)
 
+#: levels whose ``corrupt`` fault strikes data received over MPI (corrupt_buffer)
+STREAM_LEVELS = ("partner", "xor", "rs")
 KINDS = ("kill", "exit", "raise", "hang", "corrupt", "node")
 PHASES = ("between", "capture", "write-local", "encode", "vote", "decide", "announce", "commit",
           "flush",
@@ -140,15 +154,33 @@ class Faults:
                     ranks: Sequence[int] = ()) -> None:
         """Corrupt hook: flip one byte of ``path`` if a ``corrupt`` fault matches. ``ranks``:
         the ranks whose data the file holds when it is not only this rank's (PFS node file)."""
+        if self._take_corrupt(level, step, ranks):
+            flip_byte(path)
+            log.warning("injected fault: flipped a byte of %s (rank %d, step %d, level %s)",
+                        path, self.rank, step, level)
+
+    def corrupt_buffer(self, buf: np.ndarray, *, level: str, step: int) -> bool:
+        """Corrupt hook on received data: flip one byte of ``buf`` (a writable uint8 array,
+        a chunk just received over MPI) if a ``corrupt`` fault for this rank, ``level`` and
+        ``step`` matches; returns whether it did. Empty buffers are never hit."""
+        if len(buf) == 0 or not self._take_corrupt(level, step, ()):
+            return False
+        pos = len(buf) - 1 - len(buf) // 4          # where flip_byte hits a whole file
+        buf[pos] ^= 0xFF
+        log.warning("injected fault: flipped byte %d of data received at level %s (rank %d, "
+                    "step %d)", pos, level, self.rank, step)
+        return True
+
+    def _take_corrupt(self, level: str, step: int, ranks: Sequence[int]) -> bool:
+        """Mark the first matching, not yet fired ``corrupt`` fault fired; True if any."""
         for i, f in enumerate(self.faults):
             if f.kind != "corrupt" or i in self._fired:
                 continue
             if any(f.matches(phase=None, step=step, rank=r, node=self.node,
                              attempt=self.attempt, level=level) for r in (ranks or [self.rank])):
                 self._fired.add(i)
-                flip_byte(path)
-                log.warning("injected fault: flipped a byte of %s (rank %d, step %d, level %s)",
-                            path, self.rank, step, level)
+                return True
+        return False
 
     def _trigger(self, f: Fault, phase: str, step: int | None) -> None:
         where = f"rank {self.rank}, node {self.node}, phase {phase}, step {step}"

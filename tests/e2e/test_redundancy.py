@@ -1,5 +1,6 @@
-"""Node loss on 8 ranks / 4 virtual nodes: rebuild from partner, XOR and RS; clear fallback
-when a step cannot be rebuilt; corrupted copies and parity are detected and not used."""
+"""Node loss on 8 ranks / 4 virtual nodes: rebuild from partner, XOR and RS; a clear,
+non-destructive stop when no committed step can be rebuilt; copies and parity corrupted in
+transfer are refused at encode, so they are never committed."""
 from __future__ import annotations
 
 import shutil
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs import Result, run_toy
+from tests.e2e.jobs import Result, run_toy, tree_digests
 
 N, STEPS, FAULT_STEP = 8, 8, 5
 
@@ -77,7 +78,7 @@ def test_two_lost_nodes_rebuilt_from_rs(tmp_path: Path,
     assert res.done["digest"] == reference_digest(N, STEPS)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("levels,lost_nodes,needle", [
     ("local:1,partner:1", [1, 2], "unrecoverable at level partner"),
     pytest.param("local:1,xor:1", [1, 2], "unrecoverable at level xor",
@@ -87,59 +88,94 @@ def test_two_lost_nodes_rebuilt_from_rs(tmp_path: Path,
 def test_too_many_lost_nodes_fall_back_clearly(levels: str, lost_nodes: list[int], needle: str,
                                                tmp_path: Path,
                                                reference_digest: Callable[..., str]) -> None:
-    """More loss than the level tolerates: a clear message naming the level and the lost
-    ranks/nodes, a fallback (here: start over, nothing older survives), no hang, and the
-    right model at the end."""
+    """More loss than the level tolerates, with committed steps on disk: restore raises
+    UnrecoverableError on every rank, naming the steps, the level, the lost nodes and how to
+    start over; nothing is deleted; ``ftkit run`` does not retry it (exit status 3). Starting
+    over is explicit: ``ftkit run --fresh`` starts at step 0 and reaches the right model."""
     first = _run(tmp_path, levels, f"node:rank={2 * lost_nodes[0]}:step={FAULT_STEP}"
                                    ":phase=between", max_restarts=0)
     assert first.rc != 0
     for node in lost_nodes[1:]:
         _wipe_node(first, node)
+    before = _committed_files(first.local)
+    assert before, "the first launch committed nothing"
+    seen = len(first.events())
+
     res = _run(tmp_path, levels)
-    assert res.rc == 0, res.tail()
-    assert needle in res.stderr, res.tail()
+    assert res.rc == 3, res.tail()
+    [line] = res.attempt_lines()
+    assert "not retried" in line, line
+    assert "UnrecoverableError" in res.stderr and needle in res.stderr, res.tail()
     for node in lost_nodes:
-        assert f"node-{node}" in res.stderr
-    assert "starting over" in res.stderr
-    assert res.starts[0]["step"] == 0
-    skips = [e for e in res.events() if e["event"] == "restore-skip"]
-    assert skips and all(needle in e["reason"] for e in skips), skips
+        assert f"node-{node}" in res.stderr, res.tail()
+    assert "--fresh" in res.stderr or "FTKIT_START=fresh" in res.stderr, res.tail()
+    assert _committed_files(res.local) == before      # every committed step kept, unchanged
+    new = res.events()[seen:]
+    assert not [e for e in new if e["event"] == "restore" and e.get("step") is not None], new
+    assert all(needle in e["reason"] for e in new if e["event"] == "restore-skip"), new
     assert not _rebuilds(res)
-    assert res.done["digest"] == reference_digest(N, STEPS)
+
+    fresh = _run(tmp_path, levels, run_args=("--fresh",))
+    assert fresh.rc == 0, fresh.tail()
+    assert fresh.starts[0]["step"] == 0, fresh.tail()
+    assert fresh.done["digest"] == reference_digest(N, STEPS)
+
+
+def _committed_files(local: Path) -> dict[str, str]:
+    """{path: digest} of every file in a committed node-local step directory."""
+    return {path: digest for path, digest in tree_digests(local).items()
+            if (local / path).parent.joinpath("COMMITTED").is_file()}
+
+
+def _abort_of(res: Result, step: int) -> dict:
+    [abort] = [e for e in res.events() if e["event"] == "abort" and e["step"] == step]
+    return abort
 
 
 @pytest.mark.timeout(900)
 def test_corrupted_partner_copy_is_not_used(tmp_path: Path,
                                             reference_digest: Callable[..., str]) -> None:
-    """Rank 4 holds rank 2's partner copy; it is corrupted right after it is written. Node 1
-    (ranks 2, 3) is then lost: rank 3 comes back from its partner copy, rank 2 from XOR."""
+    """Rank 4 holds rank 2's partner copy. Step 5's copy is corrupted in transfer: rank 4
+    refuses it while it streams in, votes no, and step 5 is aborted (step 4 stays the
+    newest committed step). The relaunch resumes at step 4 and saves step 5 again with a
+    verified copy; node 1 (ranks 2, 3) is then lost, and both shards come back from their
+    partner copies."""
     faults = (f"corrupt:rank=4:step={FAULT_STEP}:level=partner;"
-              f"node:rank=2:step={FAULT_STEP + 1}:phase=between")
-    res = _run(tmp_path, "local:1,partner:1,xor:1", faults)
+              f"node:rank=2:step={FAULT_STEP + 1}:phase=between:attempt=1")
+    res = _run(tmp_path, "local:1,partner:1", faults)
     assert res.rc == 0, res.tail()
-    assert res.starts[1]["step"] == FAULT_STEP
+    abort = _abort_of(res, FAULT_STEP)
+    assert list(abort["failures"]) == ["4"], abort
+    why = abort["failures"]["4"]
+    assert "CorruptCheckpointError" in why and "partner-2.ftk" in why, why
+    assert "from rank 2" in why and "level partner" in why and f"step {FAULT_STEP}" in why
+    assert FAULT_STEP not in res.committed(0) and max(res.committed(0)) == FAULT_STEP - 1
+    assert [s["step"] for s in res.starts] == [0, FAULT_STEP - 1, FAULT_STEP], res.tail()
     [rb] = _rebuilds(res)
-    assert rb["from_partner"] == [3] and rb["erasure"] == {"xor": {"0": [1]}}, rb
-    assert "partner copy unusable" in res.stderr and "partner-2.ftk" in res.stderr
+    assert rb["step"] == FAULT_STEP and rb["from_partner"] == [2, 3], rb
     assert res.done["digest"] == reference_digest(N, STEPS)
 
 
 @pytest.mark.timeout(900)
 def test_corrupted_parity_is_not_used(tmp_path: Path,
                                       reference_digest: Callable[..., str]) -> None:
-    """Set 0 of XOR is ranks 0, 2, 4, 6. Rank 6's parity of step 5 is corrupted, then node 1
-    is lost in step 5's commit phase (after the decision, before any rank can start step 6,
-    so step 4 is still held everywhere): step 5 cannot be decoded without that parity, so
-    restore falls back to step 4 and rebuilds it from its intact parity."""
+    """Set 0 of XOR is ranks 0, 2, 4, 6. The parity rank 6 receives for step 5 is corrupted
+    in transfer: rank 6 checks it against the members' data folds, refuses to write it and
+    votes no, so step 5 is aborted and no COMMITTED ever covers that parity. The relaunch
+    resumes at step 4 and saves step 5 again with good parity; node 1 is then lost and step
+    5 is rebuilt from that parity (member 1 of both sets)."""
     faults = (f"corrupt:rank=6:step={FAULT_STEP}:level=xor;"
-              f"node:rank=2:step={FAULT_STEP}:phase=commit")
+              f"node:rank=2:step={FAULT_STEP + 1}:phase=between:attempt=1")
     res = _run(tmp_path, "local:1,xor:1", faults)
     assert res.rc == 0, res.tail()
-    skip = [e for e in res.events() if e["event"] == "restore-skip"]
-    assert [e["step"] for e in skip] == [FAULT_STEP], skip
-    assert "unrecoverable at level xor" in skip[0]["reason"]
-    assert "xor parity unusable" in res.stderr and "checksum mismatch" in res.stderr
-    assert res.starts[1]["step"] == FAULT_STEP - 1
+    abort = _abort_of(res, FAULT_STEP)
+    assert list(abort["failures"]) == ["6"], abort
+    why = abort["failures"]["6"]
+    assert "xor-0-3.ftk" in why and "corrupted in transfer" in why, why
+    assert "level xor" in why and f"step {FAULT_STEP}" in why, why
+    assert FAULT_STEP not in res.committed(0) and max(res.committed(0)) == FAULT_STEP - 1
+    assert not [e for e in res.events() if e["event"] == "restore-skip"]
+    assert [s["step"] for s in res.starts] == [0, FAULT_STEP - 1, FAULT_STEP], res.tail()
     [rb] = _rebuilds(res)
-    assert rb["step"] == FAULT_STEP - 1
+    assert rb["step"] == FAULT_STEP and rb["erasure"] == {"xor": {"0": [1], "1": [1]}}, rb
     assert res.done["digest"] == reference_digest(N, STEPS)

@@ -269,3 +269,21 @@ def test_node_fault_with_rank_node_list_as_topology_gives_it(
                node_dir=tmp_path / "node-1")
     f.fire("encode", 1)
     assert kills == [signal.SIGKILL]
+
+
+def test_corrupt_buffer_flips_one_byte_of_received_data() -> None:
+    """partner/xor/rs: the fault strikes data as it is received (a corrupted transfer)."""
+    import numpy as np
+    f = _injector("corrupt:rank=1:step=5:level=partner")
+    buf = np.arange(64, dtype=np.uint8)
+    original = buf.copy()
+    assert not f.corrupt_buffer(buf, level="partner", step=4)        # wrong step
+    assert not f.corrupt_buffer(buf, level="xor", step=5)            # wrong level
+    assert not f.corrupt_buffer(buf[:0], level="partner", step=5)    # empty: never hit
+    assert np.array_equal(buf, original)
+    assert f.corrupt_buffer(buf, level="partner", step=5)
+    (pos,) = np.flatnonzero(buf != original)
+    assert buf[pos] == original[pos] ^ 0xFF and pos == 64 - 1 - 64 // 4
+    assert not f.corrupt_buffer(buf, level="partner", step=5)        # fires once
+    assert not _injector("corrupt:rank=1:level=partner", rank=2).corrupt_buffer(
+        buf, level="partner", step=5)                                # other rank
