@@ -20,6 +20,9 @@ LEVEL_NAMES = ("local", "partner", "xor", "rs", "pfs")
 IMPLEMENTED_LEVELS = ("local", "partner", "xor", "rs", "pfs")
 REDUNDANCY_LEVELS = ("partner", "xor", "rs")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
+#: over (what happens to existing steps is the Checkpointer's business).
+START_MODES = ("resume", "fresh")
 
 
 def _default_user() -> str:
@@ -72,6 +75,7 @@ class Config:
     faults: str = ""
     attempt: int = 0
     log_level: str = "WARNING"
+    start: str = "resume"
 
     def __post_init__(self) -> None:
         if not self.local_dir:
@@ -93,6 +97,10 @@ class Config:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"FTKIT_LOG_LEVEL: {self.log_level!r}; valid: {', '.join(LOG_LEVELS)}")
         object.__setattr__(self, "log_level", self.log_level.upper())
+        start = self.start.strip().lower()
+        if start not in START_MODES:
+            raise ConfigError(f"FTKIT_START: {self.start!r}; valid: {', '.join(START_MODES)}")
+        object.__setattr__(self, "start", start)
         text = ",".join(f"{name}:{every}" for name, every in self.levels)
         object.__setattr__(self, "levels", parse_levels(text))
         self._check_schedule()
@@ -154,8 +162,20 @@ class Config:
         """Build a Config from defaults, ``ftkit.toml``, ``FTKIT_*`` variables and overrides.
 
         ``toml_path`` defaults to ``$FTKIT_CONFIG`` or ``./ftkit.toml`` when that exists.
+        A :class:`ConfigError` is also recorded for ``ftkit run`` (``$FTKIT_FATAL_DIR``, see
+        :mod:`ftkit.launch.fatal`): a relaunch would fail the same way.
         """
         env = os.environ if env is None else env
+        try:
+            return cls._load(toml_path, env, overrides)
+        except ConfigError as exc:
+            from ftkit.launch.fatal import env_rank, record_fatal  # not at import: a cycle
+            record_fatal(exc, env_rank(env), env=env)
+            raise
+
+    @classmethod
+    def _load(cls, toml_path: str | os.PathLike[str] | None, env: Mapping[str, str],
+              overrides: Mapping[str, Any]) -> Config:
         values: dict[str, Any] = {}
         if "SLURM_JOB_ID" in env:
             values["job"] = env["SLURM_JOB_ID"]
@@ -181,10 +201,11 @@ _KEYS = {
     "JOB": "job", "LOCAL_DIR": "local_dir", "PFS_DIR": "pfs_dir", "LEVELS": "levels",
     "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity",
     "RANKS_PER_NODE": "ranks_per_node", "ASYNC": "async_", "TIMEOUT": "timeout",
-    "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level",
+    "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level", "START": "start",
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
-_RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_ROOT", "FTKIT_STOP_FILE"}
+_RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_FATAL_DIR", "FTKIT_ROOT",
+                 "FTKIT_STOP_FILE"}
 
 
 def _coerce(field: str, raw: Any, where: str) -> Any:

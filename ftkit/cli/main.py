@@ -1,15 +1,23 @@
 """``ftkit`` command line (DESIGN §7). Only this module configures logging.
 
-Subcommands: ``run``, ``advise``, ``inspect``, ``verify``, ``export``. Importing this module imports neither mpi4py nor torch.
-Exit status 2 means a usage, configuration or launch-setup error.
+Subcommands: ``run``, ``clean``, ``advise``, ``inspect``, ``verify``, ``export``. Importing this
+module imports neither mpi4py nor torch. Exit status 2 means a usage, configuration or
+launch-setup error; ``ftkit run`` exits 3 when a rank raised an error that a relaunch would hit
+again (see :mod:`ftkit.launch.relaunch` for all its statuses).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import re
+import shutil
+import socket
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from ftkit.config import LOG_LEVELS, Config
 from ftkit.errors import ConfigError, LaunchError
@@ -55,13 +63,19 @@ def _positive_float(text: str) -> float:
 
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit run -n N [...] -- CMD [ARGS...]``."""
-    from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, LAUNCHERS
+    from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, LAUNCHERS, NOT_RETRIED_STATUS
     run = sub.add_parser(
         "run", help="launch CMD on N ranks and relaunch it on failure",
         description="Launch CMD on N ranks (mpiexec locally); on failure relaunch it with "
                     "FTKIT_ATTEMPT incremented, up to --max-restarts times. An attempt succeeds "
-                    "only if the launcher exits 0 and the job wrote $FTKIT_DONE_FILE. Prints "
-                    "one line per attempt; exits with the last attempt's status (124: timeout).")
+                    "only if the launcher exits 0 and the job wrote $FTKIT_DONE_FILE. Every "
+                    "attempt resumes from the newest committed step; errors that a relaunch "
+                    "would hit again (bad configuration, unusable checkpoints, a state that "
+                    "does not match the checkpoint) are not retried. Prints one line per "
+                    "attempt; exit status: 0 success, "
+                    f"{NOT_RETRIED_STATUS}: a rank raised an error that would recur, not "
+                    "retried (the attempt line names it and the rank), 124: timeout, 128+N: "
+                    "stopped by signal N, else the last attempt's status.")
     run.add_argument("-n", "--np", dest="n", type=_positive_int, required=True, metavar="N",
                      help="number of ranks")
     run.add_argument("--ranks-per-node", type=_positive_int, metavar="K",
@@ -76,9 +90,36 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      metavar="SECONDS", help="kill an attempt after this long (default 86400)")
     run.add_argument("--mpiexec", metavar="PATH",
                      help="mpiexec to use (default: next to this Python, then on PATH)")
+    run.add_argument("--fresh", action="store_true",
+                     help="start over: attempt 0 deletes the job's committed checkpoints and "
+                          "begins at step 0 (FTKIT_START=fresh); its relaunches, and a "
+                          "requeued Slurm job, resume what it committed. Without it a job "
+                          "whose checkpoints cannot be used stops (status 3) and keeps them. "
+                          "To delete a job's data without running it: ftkit clean JOB")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                      help="the command every rank runs")
     run.set_defaults(func=_cmd_run)
+
+
+def _add_clean_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit clean JOB [--dry-run] [--force]``."""
+    p = sub.add_parser(
+        "clean", help="delete a job's checkpoints on this host (start over for good)",
+        description="Remove the checkpoint data of JOB that this host can see: "
+                    "$FTKIT_PFS_DIR/JOB (PFS steps, event log) and $FTKIT_LOCAL_DIR/JOB (the "
+                    "node-local directories of every (virtual) node of this machine; under "
+                    "Slurm also $FTKIT_LOCAL_DIR/$SLURMD_NODENAME/JOB). Node-local data lives "
+                    "on every node: on a cluster run it on every node, once per node, e.g. "
+                    "'srun --ntasks-per-node=1 ftkit clean JOB'. Run it only when the job is "
+                    "not running. Prints each directory removed with its size. Refuses "
+                    "directories holding entries ftkit does not create (listed) unless --force. "
+                    "Exit 0: removed, or nothing was there; 1: refused, nothing removed; "
+                    "2: usage error.")
+    p.add_argument("job", metavar="JOB", help="the job id (FTKIT_JOB / SLURM_JOB_ID)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    p.add_argument("--force", action="store_true",
+                   help="remove the job directories even when they hold other entries")
+    p.set_defaults(func=_cmd_clean)
 
 
 def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -190,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "training jobs: checkpoints, recovery, relaunch.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
+    _add_clean_parser(sub)
     _add_advise_parser(sub)
     _add_inspect_parser(sub)
     _add_verify_parser(sub)
@@ -213,12 +255,147 @@ def _cmd_run(args: argparse.Namespace) -> int:
         configure_logging(cfg.log_level)
         spec = RunSpec(n=args.n, cmd=tuple(cmd), ranks_per_node=args.ranks_per_node,
                        spares=args.spares, max_restarts=args.max_restarts,
-                       attempt_timeout=args.attempt_timeout)
+                       attempt_timeout=args.attempt_timeout,
+                       fresh=_starts_fresh(args.fresh or cfg.start == "fresh"))
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg)
         return run_job(spec, cfg, launcher)
     except (ConfigError, LaunchError) as exc:
         return _error("run", exc)
+
+
+def _starts_fresh(asked: bool) -> bool:
+    """Whether attempt 0 starts over: not when Slurm requeued the job (the batch script runs
+    the same ``ftkit run --fresh`` again; it must resume what the first run committed)."""
+    if not asked:
+        return False
+    from ftkit.slurm.env import SlurmEnv
+    senv = SlurmEnv.from_environ(os.environ)
+    if senv is not None and senv.restart_count > 0:
+        print(f"ftkit run: Slurm requeued job {senv.job_id} ({senv.restart_count} time(s)): "
+              "resuming its committed steps instead of starting over (--fresh / "
+              "FTKIT_START=fresh apply to the first run only)", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- clean
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What ftkit creates in a directory: directory names, file names, and what may be in
+    those directories (None: not looked into)."""
+
+    dirs: str
+    files: str = ""
+    inner: _Layout | None = None
+
+    def odd(self, root: Path) -> list[str]:
+        """Entries under ``root`` that ftkit does not create there."""
+        found: list[str] = []
+        for entry in sorted(os.scandir(root), key=lambda e: e.name):
+            if entry.is_dir(follow_symlinks=False) and re.fullmatch(self.dirs, entry.name):
+                if self.inner is not None:
+                    found += [f"{entry.name}/{name}" for name in self.inner.odd(Path(entry.path))]
+            elif not (entry.is_file(follow_symlinks=False) and self.files
+                      and re.fullmatch(self.files, entry.name)):
+                found.append(entry.name + ("/" if entry.is_dir(follow_symlinks=False) else ""))
+        return found
+
+    def __or__(self, other: _Layout) -> _Layout:
+        """Both layouts in one directory (PFS and node-local roots that coincide)."""
+        files = "|".join(f for f in (self.files, other.files) if f)
+        return _Layout(f"{self.dirs}|{other.dirs}", files, None)
+
+
+#: $FTKIT_PFS_DIR/<job> and $FTKIT_LOCAL_DIR/<job> (DESIGN: on-disk layouts); ``.<name>.tmp``
+#: files are ftkit's atomic writes cut short.
+_TMP = r"\..+\.tmp(-\d+)?"
+_PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal",
+                      r"events\.jsonl|RUN|\.done-attempt-\d+|\.stop-request"
+                      rf"|slurm-slots\.(json|tmp)|{_TMP}")
+_LOCAL_LAYOUT = _Layout(r"node-\d+", "",
+                        _Layout(r"(parked-)?step-\d+", rf"\.probe-rank-\d+|{_TMP}"))
+
+
+def _tree_size(root: Path) -> int:
+    """Bytes of the files under ``root`` (symbolic links not followed)."""
+    total = 0
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _human(n: int) -> str:
+    """``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _clean_targets(cfg: Config) -> dict[Path, _Layout]:
+    """Directories of ``cfg.job`` that this host sees, and what ftkit puts in each."""
+    targets = {Path(os.path.abspath(cfg.job_pfs_dir)): _PFS_LAYOUT}
+    for host in dict.fromkeys((None, os.environ.get("SLURMD_NODENAME") or None)):
+        local = Path(os.path.abspath(cfg.node_dir(0, host).parent))
+        targets[local] = targets[local] | _LOCAL_LAYOUT if local in targets else _LOCAL_LAYOUT
+    return targets
+
+
+def _ignore_vanished(_func: Callable[..., object], _path: str, exc_info: Any) -> None:
+    """rmtree error handler: another node's ``ftkit clean`` may remove the same PFS files."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]
+
+
+def _cmd_clean(args: argparse.Namespace) -> int:
+    """Body of ``ftkit clean`` (plain file operations; no MPI, no torch)."""
+    job = args.job
+    if not job or "/" in job or ".." in job or job == "." or "\0" in job:
+        return _error("clean", ValueError(f"JOB {job!r} is not a job id (a plain name: no "
+                                          "'/', no '..', not empty); nothing removed"))
+    try:
+        targets = _clean_targets(Config.load(job=job))
+    except ConfigError as exc:
+        return _error("clean", exc)
+    found = [p for p in targets if os.path.lexists(p)]
+    not_dirs = [p for p in found if p.is_symlink() or not p.is_dir()]
+    odd = {p: targets[p].odd(p) for p in found if p not in not_dirs}
+    for path in not_dirs:
+        print(f"ftkit clean: refused: {path} is not a directory ftkit created (a file or a "
+              "symbolic link); remove it yourself", file=sys.stderr)
+    for path, names in odd.items():
+        if names and not args.force:
+            print(f"ftkit clean: refused: {path} holds entries ftkit does not create: "
+                  f"{', '.join(names)}", file=sys.stderr)
+    if not_dirs or (any(odd.values()) and not args.force):
+        print("ftkit clean: nothing removed" + ("" if not_dirs else
+                                                "; --force removes those entries too"),
+              file=sys.stderr, flush=True)
+        return 1
+    if not found:
+        print(f"ftkit clean: nothing to remove for job {job} on {socket.gethostname()}: "
+              f"{' and '.join(str(p) for p in targets)} do not exist", flush=True)
+        return 0
+    for path in found:
+        size = _human(_tree_size(path))
+        if args.dry_run:
+            print(f"ftkit clean: would remove {path} ({size})", flush=True)
+            continue
+        try:
+            shutil.rmtree(path, onerror=_ignore_vanished)
+        except OSError as exc:
+            print(f"ftkit clean: error: cannot remove {path}: {exc}", file=sys.stderr,
+                  flush=True)
+            return 1
+        print(f"ftkit clean: removed {path} ({size})", flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from ftkit.comm import placement
 from ftkit.comm.dist import install_abort_hooks
 from ftkit.errors import ConfigError
+from ftkit.launch.fatal import record_fatal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,17 +74,17 @@ class Topology:
         """Split ``comm`` into DP/TP/PP groups and detect nodes. All ranks of ``comm`` call.
 
         ``ranks_per_node`` defaults to ``$FTKIT_RANKS_PER_NODE`` (virtual nodes) and, when
-        unset, to the real nodes found with ``COMM_TYPE_SHARED``.
+        unset, to the real nodes found with ``COMM_TYPE_SHARED``. A :class:`ConfigError`
+        (a shape that does not fit the world) is raised on every rank and recorded for
+        ``ftkit run`` (:mod:`ftkit.launch.fatal`): a relaunch would fail the same way.
         """
         install_abort_hooks()
         world, rank = comm.Get_size(), comm.Get_rank()
-        dp = check_shape(world, tp, pp)
-        if ranks_per_node is None:
-            env = os.environ.get("FTKIT_RANKS_PER_NODE", "")
-            try:
-                ranks_per_node = int(env) if env else 0
-            except ValueError:
-                raise ConfigError(f"FTKIT_RANKS_PER_NODE: expected an integer, got {env!r}") from None
+        try:
+            dp, ranks_per_node = check_shape(world, tp, pp), _ranks_per_node(ranks_per_node)
+        except ConfigError as exc:
+            record_fatal(exc, rank)
+            raise
         if ranks_per_node:
             rank_node = virtual_nodes(world, ranks_per_node)
         else:
@@ -137,6 +138,19 @@ class Topology:
                 c.Free()
             except MPI.Exception:
                 pass
+
+
+def _ranks_per_node(given: int | None) -> int:
+    """``given``, else ``$FTKIT_RANKS_PER_NODE``; 0 means real nodes. ConfigError if invalid."""
+    if given is None:
+        env = os.environ.get("FTKIT_RANKS_PER_NODE", "")
+        try:
+            given = int(env) if env else 0
+        except ValueError:
+            raise ConfigError(f"FTKIT_RANKS_PER_NODE: expected an integer, got {env!r}") from None
+    if given < 0:
+        raise ConfigError(f"FTKIT_RANKS_PER_NODE must be >= 1, got {given}")
+    return given
 
 
 def _real_nodes(comm: MPI.Comm) -> list[int]:

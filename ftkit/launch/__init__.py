@@ -1,4 +1,6 @@
-"""Launching jobs: ``mpiexec`` command building (pure) and the ``ftkit run`` relaunch loop."""
+"""Launching jobs: ``mpiexec`` command building (pure), the ``ftkit run`` relaunch loop, and
+the fatal records with which ranks stop it (:mod:`ftkit.launch.fatal`)."""
+from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, record_fatal
 from ftkit.launch.mpiexec import (
     MPICH,
     OPENMPI,
@@ -12,6 +14,7 @@ from ftkit.launch.mpiexec import (
     rewrite_python,
 )
 from ftkit.launch.relaunch import (
+    NOT_RETRIED_STATUS,
     AttemptResult,
     Launcher,
     RunSpec,
@@ -23,7 +26,8 @@ from ftkit.launch.relaunch import (
     run_job,
 )
 
-__all__ = ["MPICH", "OPENMPI", "UNKNOWN", "AttemptResult", "Launcher", "MpiexecLauncher",
-           "RunSpec", "attempt_line", "build_command", "detect_flavor", "done_file_path",
-           "find_mpiexec", "judge", "launch_env", "query_flavor", "resolve_launcher",
-           "rewrite_python", "run_attempt", "run_job"]
+__all__ = ["FATAL_DIR_ENV", "MPICH", "NOT_RETRIED_STATUS", "OPENMPI", "UNKNOWN", "AttemptResult",
+           "Launcher", "MpiexecLauncher", "RunSpec", "attempt_line", "build_command",
+           "detect_flavor", "done_file_path", "find_mpiexec", "judge", "launch_env",
+           "query_flavor", "read_fatal", "record_fatal", "resolve_launcher", "rewrite_python",
+           "run_attempt", "run_job"]

@@ -9,6 +9,22 @@ to the running attempt's group and stop the loop.
 
 Each attempt prints exactly one line to stdout and appends events (``launch``, ``attempt-end``,
 ``relaunch``, ``done`` / ``gave-up``) to the job's ``events.jsonl``.
+
+Errors that a relaunch would hit again (a bad configuration, checkpoints that cannot be used, a
+state that does not match the checkpoint: :attr:`ftkit.errors.FtkitError.recurs`) are not
+retried: every attempt gets a fresh, empty ``$FTKIT_FATAL_DIR``
+(``$FTKIT_PFS_DIR/<job>/attempt-<k>.fatal/``, removed afterwards) where a rank that raises one
+leaves a record (:mod:`ftkit.launch.fatal`); after a failed attempt with a record the loop stops
+with :data:`NOT_RETRIED_STATUS`, whatever restarts are left.
+
+Every attempt resumes from the newest committed step (``FTKIT_START=resume``) except attempt 0
+of ``ftkit run --fresh`` (or ``FTKIT_START=fresh``), which starts over; its relaunches resume
+what it committed, and so does a requeued Slurm job.
+
+Exit status of ``ftkit run``: 0 success; :data:`NOT_RETRIED_STATUS` (3) a recurring error, not
+retried; :data:`TIMEOUT_STATUS` (124) the last attempt timed out; :data:`REQUEUE_FAILED_STATUS`
+(75) Slurm could not requeue; 128+N interrupted by signal N; otherwise the last attempt's exit
+status (a launcher that exited 0 without the completion marker: 1).
 """
 from __future__ import annotations
 
@@ -17,6 +33,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +46,7 @@ from typing import Any, Protocol, TextIO
 from ftkit.config import Config
 from ftkit.errors import LaunchError
 from ftkit.events import append_event
+from ftkit.launch.fatal import FATAL_DIR_ENV, first_line, read_fatal
 from ftkit.launch.mpiexec import MpiexecLauncher
 
 log = logging.getLogger(__name__)
@@ -38,6 +56,7 @@ DEFAULT_ATTEMPT_TIMEOUT = 86400.0
 DEFAULT_KILL_GRACE = 5.0
 TIMEOUT_STATUS = 124
 REQUEUE_FAILED_STATUS = 75          # EX_TEMPFAIL: resubmit to continue
+NOT_RETRIED_STATUS = 3              # a rank raised an error that a relaunch would hit again
 NO_MARKER_REASON = "exited 0 but the job did not reach Checkpointer.close() on every rank"
 _POLL_S = 0.25        # how often a waiting loop re-checks deadlines (not a synchronisation)
 
@@ -94,6 +113,11 @@ class RunSpec:
     max_restarts: int = 0
     attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT
     kill_grace: float = DEFAULT_KILL_GRACE
+    fresh: bool = False                  # attempt 0 starts over (FTKIT_START=fresh)
+
+    def start(self, attempt: int) -> str:
+        """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
+        return "fresh" if self.fresh and attempt == 0 else "resume"
 
     def __post_init__(self) -> None:
         checks = ((self.n >= 1, f"-n must be >= 1, got {self.n}"),
@@ -115,7 +139,8 @@ class AttemptResult:
     """Outcome of one attempt.
 
     ``rc`` is the launcher's exit code (128+N when killed by signal N, ``None`` on timeout);
-    ``status`` is what ``ftkit run`` exits with if this is the last attempt.
+    ``status`` is what ``ftkit run`` exits with if this is the last attempt; ``fatal`` is the
+    record of an error that would recur (the attempt is then not retried).
     """
 
     attempt: int
@@ -125,6 +150,7 @@ class AttemptResult:
     reason: str
     status: int
     interrupted: int | None = None       # signal number received by ftkit run, if any
+    fatal: dict[str, Any] | None = None  # see ftkit.launch.fatal
 
 
 def done_file_path(cfg: Config, attempt: int) -> Path:
@@ -137,15 +163,24 @@ def stop_file_path(cfg: Config) -> Path:
     return Path(os.path.abspath(cfg.job_pfs_dir / ".stop-request"))
 
 
+def fatal_dir_path(cfg: Config, attempt: int) -> Path:
+    """Absolute path of attempt ``attempt``'s ``FTKIT_FATAL_DIR`` (every node sees the PFS)."""
+    return Path(os.path.abspath(cfg.job_pfs_dir / f"attempt-{attempt}.fatal"))
+
+
 def attempt_env(base: Mapping[str, str], attempt: int, done_file: Path,
-                ranks_per_node: int | None = None, stop_file: Path | None = None
-                ) -> dict[str, str]:
+                ranks_per_node: int | None = None, stop_file: Path | None = None,
+                fatal_dir: Path | None = None, start: str | None = None) -> dict[str, str]:
     """Environment of one attempt: ``base`` plus ``FTKIT_ATTEMPT``/``FTKIT_DONE_FILE``/..."""
     env = dict(base)
     env["FTKIT_ATTEMPT"] = str(attempt)
     env["FTKIT_DONE_FILE"] = str(done_file)
     if stop_file is not None:
         env["FTKIT_STOP_FILE"] = str(stop_file)
+    if fatal_dir is not None:
+        env[FATAL_DIR_ENV] = str(fatal_dir)
+    if start is not None:
+        env["FTKIT_START"] = start
     if ranks_per_node is not None:
         env["FTKIT_RANKS_PER_NODE"] = str(ranks_per_node)
     return env
@@ -160,11 +195,13 @@ def signame(signum: int) -> str:
 
 
 def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
-          interrupted: int | None = None) -> AttemptResult:
+          interrupted: int | None = None, fatal: Mapping[str, Any] | None = None
+          ) -> AttemptResult:
     """Turn what was observed into an :class:`AttemptResult` (pure).
 
     ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
-    when the attempt timed out.
+    when the attempt timed out. ``fatal`` (a rank's record of an error that would recur)
+    makes a failed attempt final, unless ``ftkit run`` was interrupted.
     """
     rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
     if returncode is None:
@@ -179,6 +216,11 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
         reason, status, ok = f"exit {returncode}", returncode, False
     if interrupted is not None and not ok:
         reason, status = f"interrupted by {signame(interrupted)}", 128 + interrupted
+    elif fatal is not None and not ok:
+        reason = f"not retried: {first_line(fatal)} (rank {fatal.get('rank', '?')})"
+        status = NOT_RETRIED_STATUS
+        return AttemptResult(attempt, rc, ok, round(seconds, 3), reason, status, None,
+                             dict(fatal))
     return AttemptResult(attempt, rc, ok, round(seconds, 3), reason, status, interrupted)
 
 
@@ -190,6 +232,8 @@ def attempt_line(result: AttemptResult, max_restarts: int) -> str:
         return head + f"succeeded {took}"
     if result.interrupted is not None:
         return head + f"{result.reason} {took}; not relaunching"
+    if result.fatal is not None:
+        return head + f"failed: {result.reason} {took}"
     what = f"failed ({result.reason})" + ("" if result.rc is None else f" {took}")
     if result.attempt < max_restarts:
         restart = result.attempt + 1
@@ -288,15 +332,21 @@ def _wait(proc: subprocess.Popen[bytes], deadline: float, grace: float,
 
 
 def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path,
-                base_env: Mapping[str, str], interrupt: _Interrupt | None = None
-                ) -> AttemptResult:
-    """Launch one attempt, wait for it under the timeout, and judge it."""
+                base_env: Mapping[str, str], interrupt: _Interrupt | None = None,
+                fatal_dir: Path | None = None) -> AttemptResult:
+    """Launch one attempt, wait for it under the timeout, and judge it.
+
+    ``fatal_dir`` (made empty before, read and removed after) is the attempt's
+    ``FTKIT_FATAL_DIR``.
+    """
     interrupt = interrupt or _Interrupt()
     argv = launcher.command(spec.n, spec.cmd)
     env = attempt_env(launcher.environ(base_env), attempt, done_file, spec.ranks_per_node,
-                      interrupt.stop_file)
+                      interrupt.stop_file, fatal_dir, spec.start(attempt))
     done_file.parent.mkdir(parents=True, exist_ok=True)
     done_file.unlink(missing_ok=True)
+    if fatal_dir is not None:
+        _empty_dir(fatal_dir)
     log.info("attempt %d: %s", attempt, " ".join(argv))
     start = time.monotonic()
     try:
@@ -310,8 +360,21 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
         interrupt.attach(None)
         signal_group(proc.pid, signal.SIGKILL)     # ranks the launcher left behind
     seconds = time.monotonic() - start
+    fatal = None
+    if fatal_dir is not None:
+        fatal = read_fatal(fatal_dir)
+        shutil.rmtree(fatal_dir, ignore_errors=True)
     return judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
-                 interrupt.signum)
+                 interrupt.signum, fatal)
+
+
+def _empty_dir(path: Path) -> None:
+    """Make ``path`` an empty directory (a record of an earlier run is not this attempt's)."""
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot create {FATAL_DIR_ENV} {path}: {exc}") from exc
 
 
 def _event(cfg: Config, event: str, **fields: Any) -> None:
@@ -343,22 +406,32 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
             _event(cfg, "launch", n=spec.n, cmd=list(spec.cmd), attempt=attempt,
                    launcher=launcher.name, argv=launcher.command(spec.n, spec.cmd),
                    spares=spec.spares, ranks_per_node=spec.ranks_per_node,
-                   **_placement(launcher))
+                   start=spec.start(attempt), **_placement(launcher))
             done = done_file_path(cfg, attempt)
-            result = run_attempt(launcher, spec, attempt, done, base_env, interrupt)
+            result = run_attempt(launcher, spec, attempt, done, base_env, interrupt,
+                                 fatal_dir_path(cfg, attempt))
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
-                   seconds=result.seconds, reason=result.reason, status=result.status)
+                   seconds=result.seconds, reason=result.reason, status=result.status,
+                   **_fatal_fields(result))
             print(attempt_line(result, spec.max_restarts), file=out, flush=True)
             marker = _read_marker(done) if result.ok else {}
             if marker.get("stopped"):
                 return _stopped(cfg, launcher, marker, out)
-            if result.ok or result.interrupted is not None:
+            if result.ok or result.interrupted is not None or result.fatal is not None:
                 break
             if recover is not None and attempt < spec.max_restarts:
                 status = _recover(cfg, launcher, attempt, out)
                 if status is not None:
                     return status
     return _finish(cfg, result, interrupt)
+
+
+def _fatal_fields(result: AttemptResult) -> dict[str, Any]:
+    """Event fields of an attempt that is not retried (none for the others)."""
+    if result.fatal is None:
+        return {}
+    return {"kind": result.fatal.get("kind"), "rank": result.fatal.get("rank"),
+            "rank_host": result.fatal.get("host"), "retry": False}
 
 
 def _placement(launcher: Launcher) -> dict[str, Any]:
@@ -424,5 +497,8 @@ def _finish(cfg: Config, result: AttemptResult | None, interrupt: _Interrupt) ->
     else:
         assert result is not None
         reason, status, attempts = result.reason, result.status, result.attempt + 1
-    _event(cfg, "gave-up", attempts=attempts, status=status, reason=reason)
+    extra: dict[str, Any] = {}
+    if result is not None and result.fatal is not None:
+        extra = {**_fatal_fields(result), "message": result.fatal.get("message")}
+    _event(cfg, "gave-up", attempts=attempts, status=status, reason=reason, **extra)
     return status

@@ -9,6 +9,11 @@ state is then rebuilt from the redundancy levels), and the next attempt is launc
 new node list. The slot map is kept in ``$FTKIT_PFS_DIR/<job>/slurm-slots.json`` so a
 requeued job puts slots back on the nodes that still hold their data.
 
+The relaunch loop itself is :func:`ftkit.launch.relaunch.run_job`, shared with plain mpiexec:
+an attempt whose ranks recorded an error that would recur (:mod:`ftkit.launch.fatal`) ends the
+run before :meth:`SlurmLauncher.after_failure` is asked, so no spare is taken and the job is
+not requeued for it.
+
 Ranks are started by the MPI's ``mpiexec`` with ``--host node:T,...`` (Open MPI's PRRTE
 launches its per-node daemons with ``srun``, so every rank runs inside the allocation and sees
 its node's ``SLURMD_NODENAME``). A direct ``srun`` of the ranks needs a Slurm built with the

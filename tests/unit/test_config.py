@@ -301,3 +301,36 @@ def test_toml_ftkit_not_a_table(tmp_path: Path) -> None:
 def test_ftkit_config_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="missing.toml"):
         Config.load(env={"FTKIT_CONFIG": str(tmp_path / "missing.toml")})
+
+
+# ------------------------------------------------- FTKIT_START and launcher-set keys
+def test_start_defaults_to_resume() -> None:
+    assert Config.load(env={}).start == "resume"
+    assert Config().start == "resume"
+
+
+@pytest.mark.parametrize("raw, want", [("fresh", "fresh"), ("resume", "resume"),
+                                       ("Fresh", "fresh"), (" RESUME ", "resume")])
+def test_start_from_env(raw: str, want: str) -> None:
+    assert Config.load(env={"FTKIT_START": raw}).start == want
+
+
+def test_start_from_toml_and_kwargs(tmp_path: Path) -> None:
+    _toml(tmp_path / "ftkit.toml", '[ftkit]\nstart = "fresh"\n')
+    assert Config.load(env={}).start == "fresh"
+    assert Config.load(env={"FTKIT_START": "resume"}).start == "resume"    # env beats toml
+    assert Config.load(env={}, start="resume").start == "resume"
+
+
+@pytest.mark.parametrize("raw", ["restart", "", "1"])
+def test_start_invalid_names_key_and_valid_values(raw: str) -> None:
+    with pytest.raises(ConfigError, match="FTKIT_START") as info:
+        Config.load(env={"FTKIT_START": raw})
+    assert "resume" in str(info.value) and "fresh" in str(info.value)
+
+
+def test_fatal_dir_is_a_launcher_set_variable() -> None:
+    """``ftkit run`` sets FTKIT_FATAL_DIR for the ranks; Config must not reject it."""
+    env = {"FTKIT_FATAL_DIR": "/tmp/x/attempt-0.fatal", "FTKIT_DONE_FILE": "/x",
+           "FTKIT_STOP_FILE": "/y"}
+    assert Config.load(env=env) == Config()

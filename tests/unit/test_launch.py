@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from ftkit.launch.mpiexec import (
 )
 from ftkit.launch.relaunch import (
     NO_MARKER_REASON,
+    NOT_RETRIED_STATUS,
     RunSpec,
     attempt_line,
     done_file_path,
@@ -436,6 +438,154 @@ def test_signal_is_forwarded_and_stops_relaunching(job: Path, fake: str, tmp_pat
     assert (last["event"], last["status"]) == ("gave-up", 128 + signum)
 
 
+# ------------------------------------------------------- errors that recur are not retried
+_RECORD = """
+import os, sys
+from ftkit.errors import ConfigError
+from ftkit.launch.fatal import record_fatal
+if os.environ["FTKIT_ATTEMPT"] in sys.argv[1].split(","):
+    record_fatal(ConfigError("FTKIT_LEVELS: unknown level 'bogus' in 'bogus:1'\\nsecond line"), 1)
+"""
+
+
+@pytest.fixture
+def fatal_fake(fake: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fake mpiexec, preceded (like a rank would) by the real ``record_fatal`` of a
+    ConfigError on rank 1 in the attempts listed in ``$FAKE_FATAL_ATTEMPTS``."""
+    record = tmp_path / "record.py"
+    record.write_text(_RECORD)
+    wrapper = tmp_path / "bin" / "mpiexec-fatal"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" != --version ]; then PYTHONPATH="{REPO}" "{sys.executable}" "{record}" '
+        '"$FAKE_FATAL_ATTEMPTS" || exit 99; fi\n'
+        f'exec "{fake}" "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("FAKE_FATAL_ATTEMPTS", "0")
+    return str(wrapper)
+
+
+@pytest.mark.timeout(60)
+def test_recurring_error_is_not_retried(job: Path, fatal_fake: str, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    rc = run_fake(fatal_fake, "exit:1,ok", "--max-restarts", "3", monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == NOT_RETRIED_STATUS == 3
+    assert len(invocations(tmp_path)) == 1
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ftkit run: attempt 0: failed: not retried: ConfigError: "
+                               "FTKIT_LEVELS: unknown level 'bogus' in 'bogus:1' (rank 1)")
+    assert "second line" not in lines[0] and "relaunching" not in lines[0]
+    seen = invocations(tmp_path)[0]["env"]
+    assert seen["FTKIT_FATAL_DIR"] == str(job / "attempt-0.fatal")
+    assert not (job / "attempt-0.fatal").exists()             # cleaned after the attempt
+    events = list(read_events(job / "events.jsonl"))
+    assert [e["event"] for e in events] == ["launch", "attempt-end", "gave-up"]
+    for e in events[1:]:
+        assert (e["kind"], e["rank"], e["retry"], e["status"]) == ("ConfigError", 1, False, 3)
+        assert e["rank_host"] == e["host"] == socket.gethostname()
+        assert e["reason"].startswith("not retried: ConfigError: FTKIT_LEVELS: unknown level")
+    assert events[1]["rc"] == 1 and events[-1]["attempts"] == 1
+
+
+@pytest.mark.timeout(60)
+def test_fatal_dir_is_fresh_per_attempt(job: Path, fatal_fake: str, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    """A record left by an earlier run does not stop this one; attempt 0 fails for a reason
+    that may not recur (relaunched), attempt 1 records a recurring error (stops there)."""
+    stale = job / "attempt-0.fatal"
+    stale.mkdir(parents=True)
+    (stale / "rank-0.json").write_text(json.dumps({"kind": "ConfigError", "message": "old",
+                                                   "rank": 0, "time": 0.0}))
+    monkeypatch.setenv("FAKE_FATAL_ATTEMPTS", "1")
+    rc = run_fake(fatal_fake, "exit:1,exit:1,ok", "--max-restarts", "3", monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 3
+    assert [r["env"]["FTKIT_FATAL_DIR"] for r in invocations(tmp_path)] == [
+        str(job / "attempt-0.fatal"), str(job / "attempt-1.fatal")]
+    assert lines[0].endswith("relaunching (restart 1 of 3)")
+    assert "failed: not retried: ConfigError" in lines[1] and "(rank 1)" in lines[1]
+    assert not list(job.glob("attempt-*.fatal"))
+
+
+@pytest.mark.timeout(60)
+def test_recurring_error_of_a_hung_attempt_is_not_retried(
+        job: Path, fatal_fake: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """One rank raised ConfigError, the others hung (no abort): the timeout ends the
+    attempt, and the record still says a relaunch would fail the same way."""
+    rc = run_fake(fatal_fake, "hang,ok", "--attempt-timeout", "1", "--max-restarts", "2",
+                  monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 3 and len(invocations(tmp_path)) == 1
+    assert "not retried: ConfigError" in lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_record_of_a_successful_attempt_is_ignored(job: Path, fatal_fake: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that caught the error and carried on: the job succeeded, that is what counts."""
+    assert run_fake(fatal_fake, "ok", monkeypatch=monkeypatch) == 0
+    assert list(read_events(job / "events.jsonl"))[-1]["event"] == "done"
+
+
+def test_not_retried_attempt_line_is_pure() -> None:
+    fatal = {"kind": "UnrecoverableError", "message": "no copy of step 7\nmore", "rank": 2}
+    res = judge(0, 1, False, 3.04, 60, fatal=fatal)
+    assert (res.ok, res.status) == (False, NOT_RETRIED_STATUS)
+    assert attempt_line(res, 5) == ("ftkit run: attempt 0: failed: not retried: "
+                                    "UnrecoverableError: no copy of step 7 (rank 2) after 3.0 s")
+    assert judge(0, 0, True, 1.0, 60, fatal=fatal).ok               # success wins
+    stopped = judge(0, 143, False, 1.0, 60, interrupted=signal.SIGTERM, fatal=fatal)
+    assert stopped.status == 143 and "interrupted" in attempt_line(stopped, 5)
+
+
+# ------------------------------------------------------------ starting over (--fresh)
+def _starts(tmp_path: Path) -> list[str | None]:
+    return [r["env"].get("FTKIT_START") for r in invocations(tmp_path)]
+
+
+@pytest.mark.timeout(60)
+def test_fresh_is_for_attempt_zero_only(job: Path, fake: str, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    rc = run_fake(fake, "exit:1,exit:1,ok", "--fresh", "--max-restarts", "2",
+                  monkeypatch=monkeypatch)
+    assert rc == 0
+    assert _starts(tmp_path) == ["fresh", "resume", "resume"]
+    launches = [e for e in read_events(job / "events.jsonl") if e["event"] == "launch"]
+    assert [e["start"] for e in launches] == ["fresh", "resume", "resume"]
+
+
+@pytest.mark.timeout(60)
+def test_resume_is_the_default(job: Path, fake: str, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_fake(fake, "exit:1,ok", "--max-restarts", "1", monkeypatch=monkeypatch) == 0
+    assert _starts(tmp_path) == ["resume", "resume"]
+
+
+@pytest.mark.timeout(60)
+def test_fresh_from_the_environment_is_not_repeated_by_relaunches(
+        job: Path, fake: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTKIT_START=fresh exported by the user starts over once, not on every relaunch."""
+    monkeypatch.setenv("FTKIT_START", "fresh")
+    assert run_fake(fake, "exit:1,ok", "--max-restarts", "1", monkeypatch=monkeypatch) == 0
+    assert _starts(tmp_path) == ["fresh", "resume"]
+
+
+@pytest.mark.timeout(60)
+def test_fresh_is_not_repeated_after_a_slurm_requeue(job: Path, fake: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """A requeued batch script runs the same ``ftkit run --fresh`` again: it must resume."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert run_fake(fake, "ok", "--fresh", monkeypatch=monkeypatch) == 0
+    assert _starts(tmp_path) == ["resume"]
+    assert "requeued" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------ the CLI itself
 def test_cli_separator_and_options_after_it(job: Path, fake: str, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,7 +620,10 @@ def test_cli_usage_errors_exit_2(job: Path, argv: list[str]) -> None:
 
 def test_cli_help(capsys: pytest.CaptureFixture) -> None:
     assert main(["run", "--help"]) == 0
-    assert "--max-restarts" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--max-restarts" in out
+    assert "--fresh" in out
+    assert re.search(r"\b3\b:? [^.]*not retried", " ".join(out.split())), out
 
 
 def test_cli_imports_neither_mpi4py_nor_torch() -> None:

@@ -347,6 +347,11 @@ with open(log, "a") as f:
                         "argv": sys.argv[3:]}) + "\\n")
 if "marker" in step:
     pathlib.Path(os.environ["FTKIT_DONE_FILE"]).write_text(json.dumps(step["marker"]))
+if "fatal" in step:                      # a rank raising UnrecoverableError, as the ranks do
+    sys.path.insert(0, step["fatal"]["repo"])
+    from ftkit.errors import UnrecoverableError
+    from ftkit.launch.fatal import record_fatal
+    record_fatal(UnrecoverableError(step["fatal"]["message"]), step["fatal"]["rank"])
 sys.exit(step["rc"])
 """
 OK = {"rc": 0, "marker": {}}
@@ -467,6 +472,22 @@ def test_stopped_marker_requeues(cfg: Config, tmp_path: Path) -> None:
     assert len(stopped) == 1 and stopped[0]["step"] == 7
     assert "step 7" in out
     assert "stopped at step 7" in next(e for e in events if e["event"] == "requeue")["reason"]
+
+
+@pytest.mark.timeout(60)
+def test_recurring_error_takes_no_spare_and_no_requeue(cfg: Config, tmp_path: Path) -> None:
+    """A rank's UnrecoverableError would recur on any nodes: no node classification, no
+    spare taken, no requeue; ftkit run stops with status 3."""
+    fatal = {"repo": str(REPO), "rank": 3, "message": "no copy of rank 3's shard of step 8"}
+    rec = Recovery("relaunch", {"n2": "Slurm state DOWN"}, {"n2": "n3"}, "excluding n2")
+    fake = FakeSlurm(tmp_path, [{"rc": 1, "fatal": fatal}, OK], [rec])
+    rc, out, events = go(cfg, fake)
+    assert rc == 3 and fake.calls == [] and len(attempts(tmp_path)) == 1
+    assert "failed: not retried: UnrecoverableError: no copy of rank 3's shard of step 8 " \
+           "(rank 3)" in out
+    assert not [e for e in events if e["event"] in ("nodes", "requeue", "relaunch")]
+    assert (events[-1]["event"], events[-1]["retry"], events[-1]["status"]) == \
+        ("gave-up", False, 3)
 
 
 def test_sigusr1_creates_stop_file(tmp_path: Path) -> None:
