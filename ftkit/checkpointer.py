@@ -19,6 +19,7 @@ import collections
 import concurrent.futures as cf
 import logging
 import os
+import threading
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -33,11 +34,12 @@ from ftkit.capture.staging import Stager, Staging
 from ftkit.comm.dist import DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import IMPLEMENTED_LEVELS, Config
-from ftkit.errors import CheckpointError, ConfigError, ProtocolTimeout
+from ftkit.errors import CheckpointError, ConfigError, FtkitError, ProtocolTimeout
 from ftkit.events import append_event
+from ftkit.launch.fatal import record_fatal
 from ftkit.log import setup_rank_logging
-from ftkit.protocol.twophase import Snapshot, TwoPhase, commit_record, raise_if_failed
-from ftkit.recovery import pfs_restore
+from ftkit.protocol.twophase import ProtocolMismatch, Snapshot, TwoPhase, raise_if_failed
+from ftkit.recovery import identity, pfs_restore
 from ftkit.recovery import restore as recovery
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
@@ -52,6 +54,13 @@ class Checkpointer:
     """Coordinated multi-level checkpoints of one job. Construct on every rank (collective)."""
 
     def __init__(self, topo: Topology, config: Config | None = None) -> None:
+        try:
+            self._init(topo, config)
+        except FtkitError as exc:       # e.g. a level that cannot be placed: not retried
+            record_fatal(exc, topo.rank)
+            raise
+
+    def _init(self, topo: Topology, config: Config | None) -> None:
         self.topo = topo
         self.config = config = config or Config.load()
         setup_rank_logging(topo.rank, config.log_level)
@@ -64,12 +73,16 @@ class Checkpointer:
         self.local = LocalLevel(root, rank=topo.rank, node_leader=topo.is_node_leader,
                                 faults=self.faults)
         self._prepare_dirs()
+        self.run_id = self._run_id()
+        self.identity = {"job": config.job, "run": self.run_id, "nodes": list(topo.rank_node),
+                         "layout": {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}}
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
                             self.faults) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit,
-                              stop_requested=_stop_file_exists)
+                              stop_requested=_stop_file_exists,
+                              flush_report=self._flush_report, identity=self.identity)
         self.stop_requested = False       # set on every rank by a committed step's decision
         self.last_committed: int | None = None
         self.level_last: dict[str, int] = {}     # newest committed step of every level
@@ -83,40 +96,61 @@ class Checkpointer:
             if self._async and self.pfs is not None else None
         self._flushes: collections.deque[cf.Future[None]] = collections.deque()
         self._flushing: set[int] = set()         # steps being flushed: retention keeps them
+        self._flush_lock = threading.Lock()
+        self._flush_errors: dict[int, str] = {}  # step -> why its PFS flush failed
+        self._flush_reported: set[int] = set()   # flush failures every rank has raised
         self._staging: Staging | None = None
         self._guard = OptimizerGuard(self.wait_staged)
         self._closed = False
-        self._foreign_local = False
 
     # ------------------------------------------------------------- public API
     def restore(self, state: State) -> int:
         """Load the newest step committed and intact everywhere into ``state``; return it
-        (0 when none). All ranks call."""
+        (0 when none was ever committed). All ranks call.
+
+        Never deletes a committed step that no newer committed step supersedes: when
+        committed steps exist but none can be used (lost beyond what the levels tolerate,
+        another world size, rank to node map or run, a state of another structure), it
+        raises the same :class:`UnrecoverableError` / :class:`StateMismatchError` on every
+        rank and leaves every file as it was. Starting over is explicit: with
+        ``FTKIT_START=fresh`` (``ftkit run --fresh``) restore deletes the job's checkpoints
+        and returns 0."""
         self.wait()
+        try:
+            return self._restore(state)
+        except FtkitError as exc:
+            record_fatal(exc, self.topo.rank)
+            raise
+
+    def _restore(self, state: State) -> int:
         t0 = time.monotonic()
+        if self.config.start == "fresh":
+            self._start_fresh()
+            return 0
         found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
-                                  foreign_ok=self.pfs is not None)
+                                  run_id=self.run_id, rank_node=list(self.topo.rank_node))
         discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
+        step, level, pfs_unusable = found.step, "local", {}
         if self.pfs is not None:      # the PFS may hold a newer step than the local levels
             pfs_step = pfs_restore.restore_from_pfs(self.dc, self.pfs, state, self._emit,
-                                                 newer_than=found.step)
+                                                    newer_than=found.step)
             if pfs_step:
-                self._emit("restore", step=pfs_step, level="pfs", discover_s=discover_s,
-                           seconds=round(time.monotonic() - t0, 6))
-                self.last_committed = pfs_step
-                self._foreign_local = found.foreign is not None
-                return pfs_step
-        if found.step:
-            recovery.load(self.dc, self.levels, self.faults, found.step, state)
-            self.last_committed = found.step
-        if found.foreign is not None and not found.step:
-            raise found.foreign       # nothing usable anywhere: never overwrite those steps
-        self._after_restore(found)
-        self._emit("restore", step=found.step, skipped=sorted(found.skipped),
+                step, level = pfs_step, "pfs"
+            else:
+                pfs_unusable = self._pfs_unusable(found.step)
+        if level == "local" and step:
+            recovery.load(self.dc, self.levels, self.faults, step, state)
+        if not step and (found.unusable() or pfs_unusable):
+            error = recovery.unrecoverable_error(found, self.local.root.parent, pfs_unusable)
+            self._emit("restore-failed", steps=sorted(found.unusable()) + sorted(pfs_unusable),
+                       reason=str(error))
+            raise error
+        self._after_restore(found, step, level)
+        self._emit("restore", step=step, level=level, skipped=sorted(found.unusable()),
                    discover_s=discover_s, seconds=round(time.monotonic() - t0, 6))
-        if found.step:
-            log.info("restored step %d", found.step)
-        return found.step
+        if step:
+            log.info("restored step %d from level %s", step, level)
+        return step
 
     def save(self, step: int, state: State) -> None:
         """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
@@ -159,10 +193,17 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for every background checkpoint and flush, re-raising the first
-        CheckpointError. Local."""
+        CheckpointError (flush failures not raised yet included). All ranks call at the
+        same point (flush outcomes are agreed, so every rank raises the same error)."""
         self._settle()
         while self._flushes:
             self._result(self._flushes.popleft(), "PFS flush")
+        with self._flush_lock:
+            late = {s: e for s, e in self._flush_errors.items() if s not in self._flush_reported}
+            self._flush_reported |= set(late)
+        if late:
+            raise CheckpointError(min(late), {}, message="PFS flush failed: " + "; ".join(
+                f"step {s}: {why}" for s, why in sorted(late.items())))
 
     def close(self, *, stopped: bool = False) -> None:
         """Finish background work, then mark the job complete once every rank got here
@@ -214,10 +255,11 @@ class Checkpointer:
         raise SystemExit(0)
 
     def _settle(self) -> None:
-        """Wait for the newest snapshot's commit (its buffers are free again then) and
-        re-raise errors of finished flushes. Local."""
+        """Wait for the newest snapshot's commit (its buffers are free again then), raising
+        its CheckpointError (which also carries PFS flush failures, reported to every rank
+        in the same protocol run). Local."""
         while self._flushes and self._flushes[0].done():
-            self._flushes.popleft().result()
+            self._flushes.popleft()
         pending, self._pending = self._pending, None
         if pending is not None:
             self._result(pending, "background checkpoint")
@@ -235,7 +277,8 @@ class Checkpointer:
             tree, leaves = flatten(state)
             snap.tree, snap.leaves = tree, leaves
             snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state))
-            snap.meta = {"job": self.config.job, "step": step, "rank": self.topo.rank,
+            snap.meta = {"job": self.config.job, "run": self.run_id, "step": step,
+                         "rank": self.topo.rank,
                          "world": self.topo.world, "topology": self.topo.describe(),
                          "time": time.time(), "ftkit": __version__}
         except Exception as exc:  # noqa: BLE001 - this rank votes no
@@ -268,9 +311,11 @@ class Checkpointer:
                 snap.failure = describe(error)
         try:
             out = self.proto.run(snap)
-        except ProtocolTimeout as exc:
+        except (ProtocolTimeout, ProtocolMismatch) as exc:
             self._abort(str(exc))
             raise
+        with self._flush_lock:
+            self._flush_reported |= set(out.flush_failures)
         self.stop_requested |= out.stop
         if out.committed:
             self.last_committed = snap.step
@@ -278,6 +323,12 @@ class Checkpointer:
         raise_if_failed(out)
         if self.pfs is not None and "pfs" in snap.levels:
             self._start_flush(snap.step)
+
+    def _flush_report(self) -> dict[str, str]:
+        """Checkpoint thread: this rank's flush failures not reported yet (for the vote)."""
+        with self._flush_lock:
+            return {str(s): e for s, e in self._flush_errors.items()
+                    if s not in self._flush_reported}
 
     def _start_flush(self, step: int) -> None:
         """Flush committed ``step`` to the PFS: on the flush thread when async, after the
@@ -291,9 +342,21 @@ class Checkpointer:
         self._flushes.append(self._flusher.submit(self._flush, step))
 
     def _flush(self, step: int) -> None:
+        """Flush thread (or checkpoint thread when sync). A failure is kept and reported in
+        the next protocol run's vote (or by :meth:`wait`), never raised here, so every rank
+        raises it at the same call."""
         assert self.pfs is not None
         try:
             seconds = self.pfs.flush(step)
+        except ProtocolTimeout as exc:
+            self._abort(str(exc))
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported collectively later
+            log.error("rank %d: PFS flush of step %d failed: %s", self.topo.rank, step,
+                      describe(exc))
+            with self._flush_lock:
+                self._flush_errors[step] = describe(exc)
+            return
         finally:
             self._flushing.discard(step)
         self._emit("flush", step=step, seconds=round(seconds, 6),
@@ -301,29 +364,58 @@ class Checkpointer:
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
-        newest committed one on this node when this Checkpointer has not seen a commit)."""
+        newest committed one on this node when this Checkpointer has not seen a commit);
+        parked steps superseded by the last commit go."""
         keep = {step} | set(self.level_last.values()) | self._flushing
-        if self._foreign_local:     # restored from PFS into another world: keep those steps
-            keep |= set(self.local.steps())
         if self.last_committed is None:
             keep |= {max((s for s in self.local.steps() if self.local.is_committed(s)),
                          default=step)}
-        self.local.retain(keep)
+        self.local.retain(keep, superseded_by=self.last_committed)
 
-    def _after_restore(self, found: recovery.Discovery) -> None:
-        """Keep the restored step (completing its commit record), one older committed step
-        and the newest committed step of every level; drop newer or uncommitted versions.
-        All ranks call (node leaders act)."""
-        usable = [s for s in found.committed if s <= found.step and s not in found.skipped]
-        for step in reversed(usable):                     # oldest first: newest wins
-            self.level_last.update({lv: step for lv in found.levels_of[step]})
-        keep = set(usable[:2]) | set(self.level_last.values())
-        if found.step and self.topo.is_node_leader and not self.local.is_committed(found.step):
-            write_record(self.local.step_dir(found.step) / COMMITTED,
-                         commit_record(found.step, self.topo.world,
-                                       found.levels_of[found.step], completed_by="restore"))
-        self.local.retain(keep)
-        self.dc.barrier("restore-load", found.step)
+    def _after_restore(self, found: recovery.Discovery, step: int, level: str) -> None:
+        """Bookkeeping after every restore, whatever level supplied ``step``: complete the
+        restored step's commit record on this node, keep it, one older usable committed step
+        and the newest committed step of every level; park committed node-local steps newer
+        than ``step`` (unusable, or of another world or run: kept until a newer commit
+        supersedes them, so the job can save those step numbers again); drop uncommitted
+        versions and versions ``step`` supersedes. All ranks call (node leaders act)."""
+        usable = [s for s in found.committed if s <= step and s not in found.skipped]
+        for s in reversed(usable):                      # oldest first: newest wins
+            self.level_last.update({lv: s for lv in found.levels_of[s]})
+        if level == "pfs":
+            self.level_last["pfs"] = step
+        self.last_committed = step or None
+        if step and level == "local" and self.topo.is_node_leader \
+                and not self.local.is_committed(step):
+            write_record(self.local.step_dir(step) / COMMITTED,
+                         self.proto.record(step, found.levels_of[step]) |
+                         {"completed_by": "restore"})
+        self.local.park({s for s in self.local.steps() if s > step})
+        self.local.retain(set(usable[:2]) | set(self.level_last.values()))
+        self.dc.barrier("restore-load", step)
+
+    def _pfs_unusable(self, newer_than: int) -> dict[int, str]:
+        """Committed PFS steps newer than ``newer_than`` (restore found none usable), with
+        why. All ranks call."""
+        assert self.pfs is not None
+        steps = self.dc.bcast([s for s in self.pfs.committed_steps() if s > newer_than]
+                              if self.topo.rank == 0 else None, "restore-discover")
+        return {int(s): f"unreadable or damaged under {self.pfs.step_dir(int(s))} (see the "
+                        f"restore-skip events)" for s in steps}
+
+    def _start_fresh(self) -> None:
+        """``FTKIT_START=fresh``: delete this job's checkpoints on every level (node leaders
+        their node's directory, rank 0 the PFS steps), as the user asked. All ranks call."""
+        removed = self.local.remove_all() if self.topo.is_node_leader else []
+        pfs_removed = self.pfs.remove_all() if self.pfs is not None and self.topo.rank == 0 \
+            else []
+        gathered = self.dc.allgather(removed, "restore-discover")
+        self.dc.barrier("restore-discover")
+        log.warning("rank %d: FTKIT_START=fresh: removed node-local steps %s, PFS steps %s",
+                    self.topo.rank, removed, pfs_removed)
+        self._emit("fresh-start", local={str(self.topo.rank_node[r]): g
+                                         for r, g in enumerate(gathered) if g},
+                   pfs=pfs_removed, run=self.run_id)
 
     def _emit(self, event: str, *, any_rank: bool = False, **fields: Any) -> None:
         """Append an event line (rank 0 only, unless ``any_rank``); never fails the caller."""
@@ -347,6 +439,24 @@ class Checkpointer:
         if failures:
             raise ConfigError("FTKIT_LOCAL_DIR is not usable: " + "; ".join(
                 f"rank {r}: {f}" for r, f in sorted(failures.items())))
+
+    def _run_id(self) -> str:
+        """This run's identity (see :mod:`ftkit.recovery.identity`): rank 0 reads or makes
+        it, every rank receives it; ConfigError everywhere when it cannot. All ranks call."""
+        got: dict[str, str] = {}
+        if self.topo.rank == 0:
+            try:
+                got["run"] = identity.run_id(self.config.job_pfs_dir, self.config.job,
+                                             fresh=self.config.start == "fresh")
+            except (OSError, ValueError) as exc:
+                got["error"] = (f"cannot read or record the run identity under "
+                                f"{self.config.job_pfs_dir}: {describe(exc)}")
+        got = self.dc.bcast(got, "prepare")
+        if "error" in got:
+            error = ConfigError(got["error"])
+            record_fatal(error, self.topo.rank)
+            raise error
+        return got["run"]
 
     def _threads_ok(self) -> bool:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:

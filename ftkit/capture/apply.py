@@ -11,8 +11,55 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture.flatten import _is_torch_tensor
-from ftkit.errors import CheckpointError
+from ftkit.capture.flatten import _is_torch_tensor, flatten
+from ftkit.errors import StateMismatchError
+
+_MAX_LISTED = 5
+
+
+def structure_diff(state: Any, restored: Any) -> list[str]:
+    """How the objects with a ``state_dict`` in the live ``state`` (models, optimizers, ...)
+    differ in structure from their part of a ``restored`` tree (from :func:`unflatten`):
+    every tensor must exist in the checkpoint with the same dtype and shape (an optimizer's
+    per-parameter ``state`` may be empty before its first step). Plain containers are
+    replaced by the checkpoint's content on load, so they are not compared. Local, pure."""
+    out: list[str] = []
+    for path, obj, saved in _objects(state, restored, ""):
+        _, live_leaves = flatten(obj)
+        _, saved_leaves = flatten(saved)
+        by_path = {leaf.path: leaf for leaf in saved_leaves}
+        optimizer = hasattr(obj, "param_groups")
+        for leaf in live_leaves:
+            name = f"{path}/{leaf.path}" if leaf.path else path
+            old = by_path.get(leaf.path)
+            if old is None:
+                if not (optimizer and leaf.path.startswith("state/")):
+                    out.append(f"{name}: in the state ({leaf.dtype} {list(leaf.shape)}) but "
+                               f"not in the checkpoint")
+            elif (old.dtype, old.shape) != (leaf.dtype, leaf.shape):
+                out.append(f"{name}: checkpoint has {old.dtype} {list(old.shape)}, the state "
+                           f"has {leaf.dtype} {list(leaf.shape)}")
+    return out
+
+
+def _objects(live: Any, saved: Any, path: str) -> list[tuple[str, Any, Any]]:
+    """(path, live object, its restored state) for every object with a ``state_dict``
+    reachable through plain containers present on both sides."""
+    if hasattr(live, "state_dict") and hasattr(live, "load_state_dict"):
+        return [(path, live, saved)]
+    if isinstance(live, dict) and isinstance(saved, dict):
+        return [o for k, v in live.items() if k in saved
+                for o in _objects(v, saved[k], f"{path}/{k}" if path else str(k))]
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        return [o for i, (v, w) in enumerate(zip(live, saved))
+                for o in _objects(v, w, f"{path}/{i}")]
+    return []
+
+
+def mismatch_text(diffs: list[str]) -> str:
+    """One line naming the first differences."""
+    more = f" (and {len(diffs) - _MAX_LISTED} more)" if len(diffs) > _MAX_LISTED else ""
+    return "; ".join(diffs[:_MAX_LISTED]) + more
 
 
 def load_into(state: MutableMapping[str, Any], restored: dict[str, Any], step: int) -> None:
@@ -20,7 +67,7 @@ def load_into(state: MutableMapping[str, Any], restored: dict[str, Any], step: i
     missing = [k for k in state if k not in restored]
     extra = [k for k in restored if k not in state]
     if missing or extra:
-        raise CheckpointError(step, {}, message=(
+        raise StateMismatchError(step, {}, message=(
             f"state keys differ from the checkpoint of step {step}: missing in checkpoint "
             f"{missing}, not in state {extra}"))
     for key in state:
@@ -32,7 +79,7 @@ def _merge(live: Any, new: Any, path: str, step: int) -> Any:
         try:
             live.load_state_dict(new)
         except Exception as exc:
-            raise CheckpointError(step, {}, message=(
+            raise StateMismatchError(step, {}, message=(
                 f"load_state_dict of {path} failed for step {step}: {exc}")) from exc
         return live
     if _is_torch_tensor(live) and _is_torch_tensor(new):

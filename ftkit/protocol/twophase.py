@@ -52,16 +52,29 @@ class Outcome:
     failures: dict[int, str]
     seconds: float
     stop: bool = False       # the coordinator saw a stop request (time limit near)
+    flush_failures: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> why
+
+
+class ProtocolMismatch(CheckpointError):
+    """Ranks ran the protocol for different steps (a vote or decision of another step)."""
 
 
 class TwoPhase:
     """Runs the protocol for one rank. ``before_write`` is called by every rank right before
-    its tentative shard is written (the checkpointer uses it for retention)."""
+    its tentative shard is written (the checkpointer uses it for retention).
+    ``flush_report`` returns this rank's PFS flush failures not reported yet (``{step: why}``,
+    JSON keys): they travel with the vote, and the decision carries their union, so every
+    rank learns of them in the same protocol run. ``identity`` is added to every COMMITTED
+    record (run id, layout, rank to node map)."""
 
     def __init__(self, dc: DistComm, levels: dict[str, Level], faults: Faults,
                  before_write: Callable[[int], None], emit: Callable[..., None],
-                 stop_requested: Callable[[], bool] = lambda: False) -> None:
+                 stop_requested: Callable[[], bool] = lambda: False,
+                 flush_report: Callable[[], dict[str, str]] = dict,
+                 identity: dict[str, Any] | None = None) -> None:
         self.dc = dc
+        self.flush_report = flush_report
+        self.identity = identity or {}
         self.stop_requested = stop_requested   # polled by the coordinator in ``decide``
         self.levels = levels
         self.faults = faults
@@ -69,7 +82,11 @@ class TwoPhase:
         self.emit = emit   # emit(event, **fields): events.jsonl on the coordinator
 
     def run(self, snap: Snapshot) -> Outcome:
-        """Run phases write-local .. commit for ``snap.step``. All ranks call."""
+        """Run phases write-local .. commit for ``snap.step``. All ranks call.
+
+        Every vote and the decision carry the step; a vote or decision for another step means
+        the ranks ran their protocols out of step, which no decision can repair: the run
+        raises :class:`ProtocolMismatch` (the checkpointer aborts the world)."""
         t0 = time.monotonic()
         step = snap.step
         failure = self._local(snap)
@@ -77,18 +94,31 @@ class TwoPhase:
             self.faults.fire("vote", step)
         except Exception as exc:  # noqa: BLE001 - a failing voter votes no
             failure = failure or describe(exc)
-        votes = self.dc.gather(failure, "vote", step, root=COORDINATOR)
-        decision = self.dc.bcast(self._decide(step, votes, snap.levels) if votes is not None else None,
-                                 "decide", step, root=COORDINATOR)
+        vote = {"step": step, "failure": failure, "flush": self.flush_report()}
+        votes = self.dc.gather(vote, "vote", step, root=COORDINATOR)
+        decision = self._decide(step, votes, snap.levels) if votes is not None else None
+        if decision is not None:
+            self.faults.fire("announce", step)
+        decision = self.dc.bcast(decision, "decide", step, root=COORDINATOR)
+        if decision.get("step") != step:
+            raise ProtocolMismatch(step, {self.dc.rank: (
+                f"the coordinator decided on step {decision.get('step')} while this rank "
+                f"runs the protocol of step {step}")},
+                message=f"protocol runs out of step at step {step}")
         late = self._finish(step, decision, snap.levels)
         late_failures = self.dc.agree(late, "commit", step)
         failures = {int(r): f for r, f in decision["failures"].items()} | late_failures
         out = Outcome(step, decision["commit"], failures, time.monotonic() - t0,
-                      stop=bool(decision.get("stop")))
+                      stop=bool(decision.get("stop")),
+                      flush_failures={int(s): f for s, f in decision["flush"].items()})
         if self.dc.rank == COORDINATOR:
             self.emit("commit" if out.committed else "abort", step=step,
                       seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
         return out
+
+    def record(self, step: int, levels: Sequence[str]) -> dict[str, Any]:
+        """This job's COMMITTED record of ``step``."""
+        return commit_record(step, self.dc.size, levels, **self.identity)
 
     def _local(self, snap: Snapshot) -> str | None:
         """Phases write-local and encode on this rank; returns a failure or None.
@@ -139,20 +169,28 @@ class TwoPhase:
             return describe(exc)
         return None
 
-    def _decide(self, step: int, votes: list[str | None], levels: tuple[str, ...]
+    def _decide(self, step: int, votes: list[dict[str, Any]], levels: tuple[str, ...]
                 ) -> dict[str, Any]:
-        """Coordinator: decide, record a commit durably, then return the announcement."""
-        failures = {r: v for r, v in enumerate(votes) if v is not None}
+        """Coordinator: decide, record a commit durably, then return the announcement (with
+        the union of the flush failures the ranks reported)."""
+        failures = {r: v["failure"] for r, v in enumerate(votes) if v["failure"] is not None}
+        for r, v in enumerate(votes):
+            if v["step"] != step:
+                failures[r] = f"voted for step {v['step']} in the protocol of step {step}"
+        flush: dict[str, str] = {}
+        for v in votes:
+            flush.update(v["flush"])
         commit = not failures
         try:
             self.faults.fire("decide", step)
             if commit:
                 for level in self.levels.values():
-                    level.record_commit(step, commit_record(step, self.dc.size, levels))
+                    level.record_commit(step, self.record(step, levels))
         except Exception as exc:  # noqa: BLE001 - no durable record: abort
             failures[self.dc.rank] = describe(exc)
             commit = False
-        return {"commit": commit, "failures": failures, "stop": self.stop_requested()}
+        return {"step": step, "commit": commit, "failures": failures, "flush": flush,
+                "stop": self.stop_requested()}
 
     def _finish(self, step: int, decision: dict[str, Any], levels: tuple[str, ...]
                 ) -> str | None:
@@ -161,7 +199,7 @@ class TwoPhase:
             if self.dc.rank != COORDINATOR:
                 self.faults.fire("decide", step)
             self.faults.fire("commit", step)
-            record = commit_record(step, self.dc.size, levels)
+            record = self.record(step, levels)
             for level in (self.levels[name] for name in levels if name in self.levels):
                 if decision["commit"]:
                     level.commit(step, record)
@@ -180,8 +218,14 @@ def commit_record(step: int, world: int, levels: Sequence[str], **extra: Any
 
 
 def raise_if_failed(out: Outcome) -> None:
-    """Raise the same CheckpointError on every rank if ``out`` reports failures."""
+    """Raise the same CheckpointError on every rank if ``out`` reports failures (of its own
+    step, or of PFS flushes reported in it)."""
     if out.failures:
         state = "committed, but" if out.committed else "aborted;"
         raise CheckpointError(out.step, out.failures,
                               message=f"checkpoint of step {out.step} {state} failures")
+    if out.flush_failures:
+        step = min(out.flush_failures)
+        raise CheckpointError(step, {}, message=(
+            f"PFS flush failed (the node-local levels hold step {out.step}): " + "; ".join(
+                f"step {s}: {why}" for s, why in sorted(out.flush_failures.items()))))

@@ -12,16 +12,22 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
-from ftkit.capture.apply import load_into
+from ftkit.capture.apply import load_into, mismatch_text, structure_diff
 from ftkit.capture.flatten import leaf_from_bytes, unflatten
-from ftkit.comm.dist import DistComm
-from ftkit.errors import CheckpointError
+from ftkit.comm.dist import DistComm, describe
+from ftkit.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    UnrecoverableError,
+)
 from ftkit.recovery import rebuild
 from ftkit.recovery.plan import make_plan
 from ftkit.storage.levels import Levels
-from ftkit.storage.shard import leaves_of
+from ftkit.storage.shard import checksum, leaves_of
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -32,16 +38,24 @@ class Discovery:
     """Result of discovery, identical on every rank."""
 
     step: int                       # 0 when nothing usable is committed
-    committed: list[int]            # every step committed somewhere, newest first
+    committed: list[int]            # steps of this run and world committed somewhere, newest first
     skipped: dict[int, str]         # step -> why it was not usable
     levels_of: dict[int, list[str]]  # step -> levels it was saved with
-    foreign: CheckpointError | None = None   # local steps of another world size (untouched)
+    excluded: dict[int, str] = dataclasses.field(default_factory=dict)
+    # committed steps of another world size or another run: never used, never overwritten
+
+    def unusable(self) -> dict[int, str]:
+        """Every committed step on the node-local levels that cannot be used, with why."""
+        return dict(sorted({**self.skipped, **self.excluded}.items(), reverse=True))
 
 
-def discover(dc: DistComm, levels: Levels, faults: Faults,
-             emit: Callable[..., None], *, foreign_ok: bool = False) -> Discovery:
+def discover(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None], *,
+             run_id: str | None = None, rank_node: list[int] | None = None) -> Discovery:
     """Agree on the newest committed step every rank can load, rebuilding lost shards when
-    a redundancy level allows. All ranks call."""
+    a redundancy level allows. Steps whose COMMITTED record names another world size or
+    another run are excluded (see :class:`Discovery`); a step saved with another rank to
+    node map is tried like any other, and its reason says how the map differs. Nothing is
+    deleted here. All ranks call."""
     faults.fire("restore-discover", None)
     local = levels.local
     mine = {"node": local.root.name,
@@ -52,11 +66,11 @@ def discover(dc: DistComm, levels: Levels, faults: Faults,
     every = [g["steps"] for g in gathered]
     committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
                        reverse=True)
-    foreign, error = _foreign_world(every, committed, dc.size, local.root.parent)
-    committed = [s for s in committed if s not in foreign]
+    excluded = _other_identity(every, committed, dc.size, run_id, local.root.parent)
+    committed = [s for s in committed if s not in excluded]
     levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
                  or ["local"] for s in committed}
-    found = Discovery(0, committed, {}, levels_of, foreign=error)
+    found = Discovery(0, committed, {}, levels_of, excluded=excluded)
     for step in committed:
         reports = dc.allgather(rebuild.local_report(levels, step, dc.size, levels_of[step]),
                                "restore-discover", step)
@@ -68,19 +82,44 @@ def discover(dc: DistComm, levels: Levels, faults: Faults,
         if plan.ok:
             found.step = step
             return found
-        found.skipped[step] = str(plan.unrecoverable)
+        found.skipped[step] = str(plan.unrecoverable) + _layout_note(every, step, rank_node)
         failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
         if dc.rank == 0:
             detail = "; ".join(f"rank {r}: {f}" for r, f in failures.items())
             log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
-                        step, detail or "no shard lost", plan.unrecoverable)
-        emit("restore-skip", step=step, failures=failures, reason=plan.unrecoverable)
-    if error is not None and not foreign_ok:
-        raise error             # nothing usable: never start over on top of those steps
-    if committed and dc.rank == 0:
-        log.warning("restore: none of the committed steps %s is recoverable; starting over",
-                    committed)
+                        step, detail or "no shard lost", found.skipped[step])
+        emit("restore-skip", step=step, failures=failures, reason=found.skipped[step])
     return found
+
+
+def _layout_note(every: list[dict[str, Any]], step: int, now: list[int] | None) -> str:
+    """Why a layout change may explain a lost shard: the rank to node map in the step's
+    COMMITTED record versus this job's (empty when equal or unknown)."""
+    saved = next((v["nodes"] for inv in every for s, v in inv.items()
+                  if int(s) == step and v.get("nodes") is not None), None)
+    if saved is None or now is None or list(saved) == list(now):
+        return ""
+    return (f" (the step was saved with rank->node map {_nodes_text(saved)}, this job runs "
+            f"with {_nodes_text(now)}: a rank reads only its own node's directory, so shards "
+            f"left on other nodes cannot be found)")
+
+
+def _nodes_text(rank_node: list[int]) -> str:
+    return "[" + ", ".join(f"{r}:node-{n}" for r, n in enumerate(rank_node)) + "]"
+
+
+def unrecoverable_error(found: Discovery, where: Any, pfs_unusable: dict[int, str]
+                        ) -> UnrecoverableError:
+    """The error restore raises when committed steps exist but none can be used."""
+    local = "; ".join(f"step {s} (levels {','.join(found.levels_of.get(s, ['local']))}): "
+                      f"{why}" for s, why in found.unusable().items())
+    pfs = "; ".join(f"PFS step {s}: {why}" for s, why in sorted(pfs_unusable.items(),
+                                                                 reverse=True))
+    return UnrecoverableError(
+        f"restore: committed checkpoints exist under {where} but none can be used: "
+        + "; ".join(x for x in (local, pfs) if x)
+        + ". Nothing was deleted. To start this job over, relaunch with `ftkit run --fresh` "
+          "(or FTKIT_START=fresh), or remove its checkpoints with `ftkit clean <job>`")
 
 
 def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, reports: Any,
@@ -104,38 +143,75 @@ def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, report
     return None
 
 
-def _foreign_world(every: list[dict[str, Any]], committed: list[int], world: int,
-                   where: Any) -> tuple[set[int], CheckpointError | None]:
-    """Committed steps written by another world size (never used, never overwritten while
-    nothing else is usable) and the error that names the newest of them."""
-    foreign: dict[int, int] = {}
+def _other_identity(every: list[dict[str, Any]], committed: list[int], world: int,
+                    run_id: str | None, where: Any) -> dict[int, str]:
+    """Committed steps written by another world size or another run, with why (never
+    used, never overwritten while nothing else is usable)."""
+    out: dict[int, str] = {}
     for step in committed:
-        worlds = {v["w"] for inv in every for s, v in inv.items()
-                  if int(s) == step and v.get("w") is not None}
-        other = sorted(w for w in worlds if w != world)
-        if other:
-            foreign[step] = other[0]
-    if not foreign:
-        return set(), None
-    step = max(foreign)
-    return set(foreign), CheckpointError(step, {}, message=(
-        f"the committed step {step} under {where} was written by a job of {foreign[step]} "
-        f"ranks, and this job has {world}; relaunch with {foreign[step]} ranks (or use "
-        f"another FTKIT_JOB, or a PFS level to reshard from); nothing was modified"))
+        recs = [v for inv in every for s, v in inv.items() if int(s) == step]
+        worlds = sorted({v["w"] for v in recs if v.get("w") is not None and v["w"] != world})
+        runs = sorted({v["run"] for v in recs
+                       if run_id and v.get("run") is not None and v["run"] != run_id})
+        if worlds:
+            out[step] = (f"written by a job of {worlds[0]} ranks under {where}, and this job "
+                         f"has {world}; relaunch with {worlds[0]} ranks (or use another "
+                         f"FTKIT_JOB, or a PFS level to reshard from)")
+        elif runs:
+            out[step] = (f"belongs to another run ({runs[0]}) of job {Path(str(where)).name} "
+                         f"under {where}; this run is {run_id} (its identity is kept in the "
+                         f"job's PFS directory): another run's checkpoint is never resumed")
+    return out
 
 
 def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
          state: MutableMapping[str, Any]) -> None:
-    """Load this rank's shard of ``step`` into ``state``; the same error everywhere on
-    failure. All ranks call."""
-    def _load() -> None:
+    """Load this rank's shard of ``step`` into ``state``, verifying every tensor's checksum
+    on the bytes it loads; the same error everywhere on failure (StateMismatchError when the
+    state's structure differs from the checkpoint's). All ranks call."""
+    def _read() -> Any:
         faults.fire("restore-load", step)
         with levels.local.open_shard(step) as shard:
             leaves = leaves_of(shard.header)
-            tensors = [leaf_from_bytes(leaf, shard.raw(i).copy())
-                       for i, leaf in enumerate(leaves)]
+            tensors = []
+            for i, leaf in enumerate(leaves):
+                data = shard.raw(i).copy()
+                if checksum(data) != shard.tensors[i]["checksum"]:
+                    raise CorruptCheckpointError(str(shard.path), f"checksum mismatch in "
+                                                 f"tensor {leaf.path} while loading",
+                                                 rank=dc.rank, step=step)
+                tensors.append(leaf_from_bytes(leaf, data))
             tree = unflatten(shard.header["tree"], tensors)
         if not isinstance(tree, dict):
             raise CheckpointError(step, {}, message=f"{shard.path}: state root is not a dict")
-        load_into(state, tree, step)
-    dc.run(_load, "restore-load", step)
+        return tree
+    tree = dc.run(_read, "restore-load", step)
+    apply_agreed(dc, state, tree, step)
+
+
+def apply_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, Any],
+                 step: int) -> None:
+    """Check the restored ``tree`` against the live ``state`` (structure: names, shapes,
+    dtypes) on every rank, then load it. Raises the same StateMismatchError everywhere when
+    any rank's state differs, the same CheckpointError when loading fails. All ranks call."""
+    diffs = structure_diff(state, tree)
+    mismatch = dc.agree(f"state differs from the checkpoint: {mismatch_text(diffs)}"
+                        if diffs else None, "restore-load", step)
+    if not mismatch:          # nothing is loaded anywhere unless every rank's state fits
+        failure, refused = None, False
+        try:
+            load_into(state, tree, step)
+        except StateMismatchError as exc:
+            failure, refused = str(exc), True
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            failure = describe(exc)
+        got = dc.allgather([failure, refused], "restore-load", step)
+        failures = {r: f for r, (f, _) in enumerate(got) if f is not None}
+        if failures and not any(x for _, x in got):
+            raise CheckpointError(step, failures, message=f"phase 'restore-load' of step "
+                                                          f"{step} failed")
+        mismatch = failures
+    if mismatch:
+        raise StateMismatchError(step, mismatch, message=(
+            f"the state passed to restore does not match the checkpoint of step {step} "
+            f"(another model or configuration?); nothing was deleted"))

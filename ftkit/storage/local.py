@@ -23,11 +23,12 @@ import numpy as np
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ftkit.storage.level import Level
-from ftkit.storage.shard import Shard, write_atomic, write_shard
+from ftkit.storage.shard import Shard, fsync_dir, write_atomic, write_shard
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step-(\d+)$")
+_PARKED_RE = re.compile(r"^parked-step-(\d+)$")
 COMMITTED = "COMMITTED"
 
 
@@ -42,7 +43,8 @@ def make_private_dir(path: Path) -> None:
         try:
             d.mkdir(mode=0o700)
         except FileExistsError:
-            pass
+            continue
+        fsync_dir(d.parent)          # the new entry survives a crash of the node
     if not path.is_dir():
         raise NotADirectoryError(f"{path} exists and is not a directory")
     if path.stat().st_mode & 0o077:
@@ -108,7 +110,14 @@ class LocalLevel(Level):
         self.faults.after_write(path, level=self.name, step=step)
 
     def record_commit(self, step: int, record: dict[str, Any]) -> None:
-        write_record(self.step_dir(step) / COMMITTED, record)
+        """Coordinator: durably record the decision. If any part fails (even the directory
+        fsync after the rename), no record survives: the caller then aborts the step."""
+        path = self.step_dir(step) / COMMITTED
+        try:
+            write_record(path, record)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
 
     def commit(self, step: int, record: dict[str, Any]) -> None:
         if self.node_leader and not (self.step_dir(step) / COMMITTED).exists():
@@ -120,13 +129,18 @@ class LocalLevel(Level):
             self.shard_path(step).unlink(missing_ok=True)
 
     def record_info(self, step: int) -> dict[str, Any]:
-        """``{"w": world size, "levels": [...]}`` from the node's commit record of ``step``
-        (``w`` None when absent or unreadable)."""
+        """``{"w": world size, "levels": [...], "run": run id, "nodes": rank -> node}`` from
+        the node's commit record of ``step`` (``w`` None when absent or unreadable; ``run``
+        and ``nodes`` None when the record does not say)."""
         try:
             rec = json.loads((self.step_dir(step) / COMMITTED).read_text())
-            return {"w": int(rec["world"]), "levels": list(rec.get("levels", ["local"]))}
-        except (OSError, ValueError, KeyError, TypeError):
-            return {"w": None, "levels": []}
+            nodes = rec.get("nodes")
+            return {"w": int(rec["world"]), "levels": [str(x) for x in rec.get("levels",
+                                                                             ["local"])],
+                    "run": None if rec.get("run") is None else str(rec["run"]),
+                    "nodes": None if nodes is None else [int(n) for n in nodes]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {"w": None, "levels": [], "run": None, "nodes": None}
 
     def record_world(self, step: int) -> int | None:
         """World size in the node's commit record of ``step`` (None if absent/unreadable)."""
@@ -135,13 +149,58 @@ class LocalLevel(Level):
     def is_committed(self, step: int) -> bool:
         return (self.step_dir(step) / COMMITTED).is_file()
 
-    def retain(self, keep: set[int]) -> None:
-        """Node leader: remove every step directory not in ``keep``. Local."""
+    def retain(self, keep: set[int], *, superseded_by: int | None = None) -> None:
+        """Node leader: remove every step directory not in ``keep``, and every parked step
+        not newer than ``superseded_by`` (a committed step that replaces it). Local."""
         if not self.node_leader:
             return
         for step in self.steps():
             if step not in keep:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        if superseded_by is not None:
+            for step in self.parked():
+                if step <= superseded_by:
+                    shutil.rmtree(self.parked_dir(step), ignore_errors=True)
+
+    def remove_all(self) -> list[int]:
+        """Node leader: delete every step of this node, parked ones included (an explicit
+        fresh start). Returns the steps removed. Local."""
+        removed = sorted(set(self.steps()) | set(self.parked()))
+        for step in self.steps():
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        for step in self.parked():
+            shutil.rmtree(self.parked_dir(step), ignore_errors=True)
+        return removed
+
+    # -------------------------------------------------------------- parking
+    def parked_dir(self, step: int) -> Path:
+        return self.root / f"parked-step-{step}"
+
+    def parked(self) -> list[int]:
+        """Steps parked on this node (committed, not used by the last restore), ascending."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _PARKED_RE.match(n)))
+
+    def park(self, steps: set[int]) -> None:
+        """Node leader: move committed ``steps`` that a restore did not use out of the way
+        (``step-<s>`` -> ``parked-step-<s>``, durable rename), so the job can commit those
+        step numbers again; they are removed only once a newer committed step supersedes
+        them (:meth:`retain`). Uncommitted versions of ``steps`` are removed. Local."""
+        if not self.node_leader:
+            return
+        for step in sorted(steps & set(self.steps())):
+            if not self.is_committed(step):
+                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+                continue
+            shutil.rmtree(self.parked_dir(step), ignore_errors=True)
+            os.replace(self.step_dir(step), self.parked_dir(step))
+            log.warning("%s: committed step %d was not used by the restore; parked as %s "
+                        "until a newer committed step supersedes it", self.root, step,
+                        self.parked_dir(step).name)
+        fsync_dir(self.root)
 
     # --------------------------------------------------------------- restore
     def inventory(self) -> dict[int, dict[str, Any]]:

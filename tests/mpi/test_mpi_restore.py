@@ -164,8 +164,9 @@ def test_committed_step_of_another_world_size_is_refused(ftkit_env):
     everyone = allgather((error, listing, diff(before, canon(state))))
     errors = [e[0] for e in everyone]
     assert all(e == errors[0] for e in errors), errors
-    assert errors[0] is not None and errors[0][0] == "CheckpointError"
+    assert errors[0] is not None and errors[0][0] == "UnrecoverableError"
     assert "8 ranks" in errors[0][3] and "this job has 4" in errors[0][3]
+    assert "Nothing was deleted" in errors[0][3]
     for r, (_, listing, changed) in enumerate(everyone):
         assert {"COMMITTED", f"rank-{r}.ftk"} <= set(listing or ()), (r, listing)
         assert changed == [], (r, changed)
@@ -173,7 +174,7 @@ def test_committed_step_of_another_world_size_is_refused(ftkit_env):
 
 def test_restore_load_failure_on_one_rank_is_the_same_error_everywhere(ftkit_env):
     """Rank 3's live state lacks a key of the checkpoint: phase restore-load fails there,
-    and every rank raises the same CheckpointError naming rank 3."""
+    and every rank raises the same StateMismatchError (not retried) naming rank 3."""
     with topology() as topo:
         save_steps(topo, [1])
         state = small_state(RANK, 0)
@@ -185,9 +186,9 @@ def test_restore_load_failure_on_one_rank_is_the_same_error_everywhere(ftkit_env
     errors = allgather(error)
     assert all(e == errors[0] for e in errors), errors
     kind, step, failures, message = errors[0]
-    assert (kind, step) == ("CheckpointError", 1)
+    assert (kind, step) == ("StateMismatchError", 1)
     assert [r for r, _ in failures] == [3] and "np" in failures[0][1]
-    assert "restore-load" in message
+    assert "does not match the checkpoint of step 1" in message
 
 
 def test_missing_shard_is_reported_on_its_own_node(ftkit_env):
