@@ -31,7 +31,7 @@ from ftkit import __version__
 from ftkit.capture.flatten import TensorLeaf, flatten
 from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
-from ftkit.comm.dist import DistComm, describe
+from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import IMPLEMENTED_LEVELS, Config
 from ftkit.errors import CheckpointError, ConfigError, FtkitError, ProtocolTimeout
@@ -235,8 +235,10 @@ class Checkpointer:
     # -------------------------------------------------------------- internals
     @property
     def _patience(self) -> float:
-        """How long a local wait on background work may take before the job is aborted."""
-        return self.config.timeout * 6
+        """How long a local wait on background work may take before the job is aborted: a
+        few control timeouts plus the bulk allowance for the state's bytes (a write, copies
+        or parity and a flush each move about the whole state; see ``MIN_BULK_BANDWIDTH``)."""
+        return self.config.timeout * 6 + 4 * self.stager.allocated_bytes / MIN_BULK_BANDWIDTH
 
     def _final_save(self, step: int, state: State) -> None:
         """A stop was requested (time limit near): checkpoint ``step`` on every configured
