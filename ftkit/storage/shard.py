@@ -122,6 +122,56 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+XXH3 = "xxh3-64:"
+
+
+class ShardFormatError(ValueError):
+    """A shard's preamble or header is malformed (the reason, without file or rank)."""
+
+
+def header_length(preamble: bytes, size: int) -> int:
+    """Check the preamble of a ``size``-byte shard (magic, version, header bounds); return
+    the header length. Raises ShardFormatError."""
+    magic, version, hlen, _ = _PREAMBLE.unpack_from(preamble, 0)
+    if magic != MAGIC:
+        raise ShardFormatError(f"not an ftkit shard (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise ShardFormatError(f"shard format version {version}, this ftkit reads version "
+                               f"{VERSION}")
+    if _PREAMBLE.size + hlen > size:
+        raise ShardFormatError(f"header of {hlen} bytes runs past the end of the {size}-byte "
+                               f"file (truncated)")
+    return int(hlen)
+
+
+def parse_header(head: bytes, size: int) -> tuple[dict[str, Any], list[tuple[int, int, str, str]]]:
+    """Validate preamble + header bytes ``head`` of a ``size``-byte shard: header checksum,
+    JSON, required keys, and tensor ranges that lie after the header, inside the file and
+    do not overlap. Returns the header and the ranges ``(offset, end, checksum, path)`` in
+    file order. Raises ShardFormatError."""
+    hsum = _PREAMBLE.unpack_from(head, 0)[3]
+    raw = bytes(head[_PREAMBLE.size:])
+    if xxhash.xxh3_64_intdigest(raw) != hsum:
+        raise ShardFormatError("header checksum mismatch")
+    try:
+        header = json.loads(raw)
+        spans = sorted((int(t["offset"]), int(t["offset"]) + int(t["nbytes"]),
+                        str(t["checksum"]), str(t["path"])) for t in header["tensors"])
+        header["tree"], header["rank"], header["step"], header["world"]
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+        raise ShardFormatError(f"malformed shard header: {exc!r}") from exc
+    end = len(head)
+    for off, stop, digest, name in spans:
+        if off < end or stop < off or stop > size:
+            raise ShardFormatError(
+                f"tensor {name} at bytes {off}..{stop} overlaps the header or another "
+                f"tensor, or runs past the end of the {size}-byte file (truncated?)")
+        if not digest.startswith(XXH3):
+            raise ShardFormatError(f"tensor {name} has an unknown checksum {digest!r}")
+        end = stop
+    return header, spans
+
+
 class Shard:
     """A validated, memory-mapped shard. ``open`` checks the preamble and header only;
     :meth:`verify` checks every tensor's checksum; :meth:`array` returns a zero-copy view."""
@@ -161,27 +211,11 @@ class Shard:
         size = len(memoryview(buf))
         if size < _PREAMBLE.size:
             raise bad(f"{size} bytes, shorter than a shard preamble (truncated?)")
-        magic, version, hlen, hsum = _PREAMBLE.unpack_from(buf, 0)
-        if magic != MAGIC:
-            raise bad(f"not an ftkit shard (magic {magic!r}, expected {MAGIC!r})")
-        if version != VERSION:
-            raise bad(f"shard format version {version}, this ftkit reads version {VERSION}")
-        if _PREAMBLE.size + hlen > size:
-            raise bad(f"header of {hlen} bytes runs past the end of the {size}-byte file "
-                      f"(truncated)")
-        raw = bytes(memoryview(buf)[_PREAMBLE.size:_PREAMBLE.size + hlen])
-        if xxhash.xxh3_64_intdigest(raw) != hsum:
-            raise bad("header checksum mismatch")
         try:
-            header = json.loads(raw)
-            ends = [(t["path"], int(t["offset"]) + int(t["nbytes"])) for t in header["tensors"]]
-            header["tree"], header["rank"], header["step"], header["world"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise bad(f"malformed shard header: {exc!r}") from exc
-        for tpath, end in ends:
-            if end > size:
-                raise bad(f"tensor {tpath} ends at byte {end}, past the end of the {size}-byte "
-                          f"file (truncated)")
+            hlen = header_length(bytes(memoryview(buf)[:_PREAMBLE.size]), size)
+            header, _ = parse_header(bytes(memoryview(buf)[:_PREAMBLE.size + hlen]), size)
+        except ShardFormatError as exc:
+            raise bad(str(exc)) from None
         shard = cls(path, buf, header)
         shard.check_identity(rank=rank, step=step, level=level)
         return shard

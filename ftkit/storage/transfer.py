@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import mmap
 import os
 import time
@@ -29,10 +28,18 @@ from mpi4py import MPI
 
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage.shard import _PREAMBLE, MAGIC, VERSION, Shard, _write_all, fsync_dir
+from ftkit.storage.shard import (
+    _PREAMBLE,
+    XXH3,
+    Shard,
+    ShardFormatError,
+    _write_all,
+    fsync_dir,
+    header_length,
+    parse_header,
+)
 
 CHUNK = 8 << 20
-_XXH3 = "xxh3-64:"
 
 
 @contextlib.contextmanager
@@ -130,36 +137,14 @@ class StreamCheck:
             raise self.bad(f"{self.pos} of {self.size} bytes arrived (truncated)")
 
     def _parse_head(self) -> None:
-        if len(self._head) == _PREAMBLE.size:
-            magic, version, hlen, _ = _PREAMBLE.unpack_from(self._head, 0)
-            if magic != MAGIC:
-                raise self.bad(f"not an ftkit shard (magic {magic!r}, expected {MAGIC!r})")
-            if version != VERSION:
-                raise self.bad(f"shard format version {version}, this ftkit reads {VERSION}")
-            if _PREAMBLE.size + hlen > self.size:
-                raise self.bad(f"header of {hlen} bytes runs past the end of the "
-                               f"{self.size}-byte file (truncated)")
-            self._need = _PREAMBLE.size + hlen
-            if hlen:
-                return
-        hsum = _PREAMBLE.unpack_from(self._head, 0)[3]
-        raw = bytes(self._head[_PREAMBLE.size:])
-        if xxhash.xxh3_64_intdigest(raw) != hsum:
-            raise self.bad("header checksum mismatch")
         try:
-            header = json.loads(raw)
-            spans = sorted((int(t["offset"]), int(t["offset"]) + int(t["nbytes"]),
-                            str(t["checksum"]), str(t["path"])) for t in header["tensors"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise self.bad(f"malformed shard header: {exc!r}") from exc
-        end = self._need
-        for off, stop, digest, name in spans:
-            if off < end or stop > self.size:
-                raise self.bad(f"tensor {name} at bytes {off}..{stop} overlaps the header or "
-                               f"another tensor, or runs past the {self.size}-byte file")
-            if not digest.startswith(_XXH3):
-                raise self.bad(f"tensor {name} has an unknown checksum {digest!r}")
-            end = stop
+            if len(self._head) == _PREAMBLE.size:
+                self._need = _PREAMBLE.size + header_length(bytes(self._head), self.size)
+                if self._need > _PREAMBLE.size:
+                    return
+            header, spans = parse_header(bytes(self._head), self.size)
+        except ShardFormatError as exc:
+            raise self.bad(str(exc)) from None
         try:
             Shard(self.path, None, header).check_identity(
                 rank=self.rank, step=self.step, world=self.world, level=self.level)
@@ -188,7 +173,7 @@ class StreamCheck:
         """Compare the checksum of every tensor that ends at ``pos``."""
         while self._i < len(self._spans) and self._spans[self._i][1] == pos:
             _, _, want, name = self._spans[self._i]
-            got = _XXH3 + self._hash.hexdigest()
+            got = XXH3 + self._hash.hexdigest()
             self._hash.reset()
             self._i += 1
             if got != want:
