@@ -278,7 +278,8 @@ class Checkpointer:
             self.faults.fire("capture", step)
             tree, leaves = flatten(state)
             snap.tree, snap.leaves = tree, leaves
-            snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state))
+            snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
+                                                             step=step)
             snap.meta = {"job": self.config.job, "run": self.run_id, "step": step,
                          "rank": self.topo.rank,
                          "world": self.topo.world, "topology": self.topo.describe(),

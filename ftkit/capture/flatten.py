@@ -37,6 +37,7 @@ class TensorLeaf:
     shape: tuple[int, ...]
     nbytes: int
     source: Any = None   # the live tensor / array (only on the capture side)
+    version: int | None = None   # ``source._version`` when staging started (torch only)
 
 
 class UnsupportedLeaf(CheckpointError):

@@ -5,6 +5,13 @@ has finished. For parameters and optimizer state the only writer is ``optimizer.
 which ftkit guards with a step pre-hook that waits for staging; those tensors are
 *deferrable*. Everything else (module buffers changed by the next forward, user tensors) is
 copied before ``save`` returns.
+
+Any other in-place change of a deferrable tensor before its staging is done (weight
+clipping, model averaging, re-initialisation under ``torch.no_grad()`` right after
+``save``) is caught by its version counter in :mod:`ftkit.capture.staging`: the step is
+aborted instead of committing a torn snapshot. Changes made through ``p.data`` (which has
+its own version counter) or through NumPy views of the memory are not seen; call
+``Checkpointer.wait_staged()`` before making them.
 """
 from __future__ import annotations
 

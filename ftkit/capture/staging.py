@@ -8,7 +8,29 @@ release the GIL), so staging overlaps the next forward/backward.
 Only leaves the caller marks *deferrable* are copied in the background — tensors whose only
 writer is an optimizer guarded by :meth:`Staging.wait` (see ``Checkpointer.wait_staged``).
 Everything else (module buffers such as BatchNorm statistics, which the next forward
-changes) is copied before :meth:`Stager.start` returns.
+changes) is copied before :meth:`Stager.start` returns, and so is every leaf without a
+version counter: NumPy arrays and torch inference tensors.
+
+**Torn snapshots are refused, not written.** A deferred tensor may still be changed in place
+by the training script before its copy has landed (weight clipping, model averaging,
+re-initialisation under ``torch.no_grad()`` right after ``save``). :meth:`Stager.start`
+records every torch leaf's version counter (``tensor._version``, bumped by every in-place
+op on the tensor or on any view of it, ``detach()`` and ``state_dict()`` views included,
+also under ``no_grad`` and ``inference_mode``) and the worker re-checks it once the bytes
+have landed (CPU: after each copy, CUDA: once the side stream's event has synchronised),
+and again for every leaf when the whole batch has landed. A changed counter fails the
+staging with :class:`TornSnapshotError`, so the rank votes no, the step is aborted and
+the previous committed step stays; the next ``save`` works normally. Reading the counter
+is O(1) per tensor: no pass over the bytes.
+
+Only in-place torch ops on the tensor or on a view of it are seen. Not seen:
+``p.data.mul_(0)`` (``p.data`` is a new tensor with its own version counter, bumping
+neither ``p._version`` nor that of ``p.detach()``), writes through ``tensor.numpy()`` or
+memory shared with ``torch.from_numpy``, and extensions that write through ``data_ptr()``;
+call ``ckpt.wait_staged()`` before such changes. A change still running on another thread
+at the moment the last copy lands may also escape the check. Models that change their
+parameters in the forward pass (``nn.Embedding(max_norm=...)``) must call
+``ckpt.wait_staged()`` after ``save``, or their checkpoints may be aborted.
 """
 from __future__ import annotations
 
@@ -20,8 +42,22 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf, _torch
+from ftkit.errors import FtkitError
 
 log = logging.getLogger(__name__)
+
+
+class TornSnapshotError(FtkitError):
+    """A tensor changed in place between ``save`` and the end of its background copy, so
+    its staged bytes may mix old and new values. Local to the rank that staged it; the
+    checkpointer turns it into that rank's "no" vote (the step is aborted)."""
+
+    def __init__(self, path: str, step: int | None) -> None:
+        self.path, self.step = path, step
+        at = f" (step {step})" if step is not None else ""
+        super().__init__(f"tensor {path}{at} changed in place while its snapshot was being "
+                         f"staged; call ckpt.wait_staged() before modifying parameters "
+                         f"outside optimizer.step()")
 
 
 class Staging:
@@ -77,26 +113,34 @@ class Stager:
         staging.wait()
         return bufs
 
-    def start(self, leaves: list[TensorLeaf], deferrable: Callable[[TensorLeaf], bool]
-              ) -> tuple[list[np.ndarray], Staging]:
+    def start(self, leaves: list[TensorLeaf], deferrable: Callable[[TensorLeaf], bool],
+              step: int | None = None) -> tuple[list[np.ndarray], Staging]:
         """Stage ``leaves``: the non-deferrable ones before returning, the rest in the
-        background. Returns the buffers (complete once the :class:`Staging` is done)."""
+        background. Returns the buffers (complete once the :class:`Staging` is done; its
+        error is a :class:`TornSnapshotError` naming the leaf and ``step`` if a deferred
+        tensor changed in place before its copy landed). Leaves without a version counter
+        (NumPy, inference tensors) are never deferred. Raises ``TornSnapshotError`` itself
+        if another thread changes a leaf while it is copied here."""
         del self._buffers[len(leaves):], self._owners[len(leaves):]
         bufs = [self.buffer(i, leaf.nbytes, pinned=_is_cuda(leaf.source))
                 for i, leaf in enumerate(leaves)]
+        for leaf in leaves:
+            leaf.version = _version(leaf.source) if leaf.kind == "torch" else None
         later: list[int] = []
         for i, leaf in enumerate(leaves):
-            if self._pool is not None and leaf.nbytes and deferrable(leaf):
+            if (self._pool is not None and leaf.nbytes and leaf.version is not None
+                    and deferrable(leaf)):
                 later.append(i)
             else:
                 _copy(leaf, bufs[i])
+                _check_unchanged(leaf, step)
                 leaf.source = None
         if not later:
             return bufs, Staging(None)
         pairs = [(leaves[i], bufs[i]) for i in later]
         ready = self._record_ready(pairs)
         assert self._pool is not None
-        return bufs, Staging(self._pool.submit(self._copy_all, pairs, ready))
+        return bufs, Staging(self._pool.submit(self._copy_all, pairs, ready, step))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -115,9 +159,10 @@ class Stager:
         return ready
 
     def _copy_all(self, pairs: Sequence[tuple[TensorLeaf, np.ndarray]],
-                  ready: dict[Any, Any]) -> None:
+                  ready: dict[Any, Any], step: int | None) -> None:
         """Worker thread: CUDA leaves on a side stream into pinned buffers, CPU leaves by
-        plain copies; returns when every byte has landed."""
+        plain copies; returns when every byte has landed and no leaf's version counter
+        moved since :meth:`start` (else raises :class:`TornSnapshotError`)."""
         try:
             done = [self._copy_cuda(dev, [(lf, b) for lf, b in pairs
                                           if _is_cuda(lf.source) and lf.source.device == dev],
@@ -125,8 +170,11 @@ class Stager:
             for leaf, buf in pairs:
                 if not _is_cuda(leaf.source):
                     _copy(leaf, buf)
+                    _check_unchanged(leaf, step)      # fail fast: skip the other copies
             for event in done:
                 event.synchronize()
+            for leaf, _ in pairs:     # CUDA leaves once landed; CPU ones changed meanwhile
+                _check_unchanged(leaf, step)
         finally:
             for leaf, _ in pairs:
                 leaf.source = None          # no reference to live tensors past staging
@@ -151,6 +199,22 @@ class Stager:
 
 def _is_cuda(x: Any) -> bool:
     return bool(getattr(x, "is_cuda", False))
+
+
+def _version(t: Any) -> int | None:
+    """The version counter in-place ops on ``t`` (or any view of it) bump; None for
+    inference tensors, which have none."""
+    return None if t.is_inference() else int(t._version)
+
+
+def _check_unchanged(leaf: TensorLeaf, step: int | None) -> None:
+    """Raise (and log) :class:`TornSnapshotError` if ``leaf``'s tensor changed in place
+    since :meth:`Stager.start` recorded its version."""
+    if leaf.version is None or leaf.source._version == leaf.version:
+        return
+    error = TornSnapshotError(leaf.path, step)
+    log.warning("%s", error)
+    raise error
 
 
 def _copy(leaf: TensorLeaf, buf: np.ndarray) -> None:

@@ -87,11 +87,15 @@ class LocalLevel(Level):
 
     def steps(self) -> list[int]:
         """Steps with a directory on this node, ascending."""
+        return self._numbered(_STEP_RE)
+
+    def _numbered(self, pattern: re.Pattern[str]) -> list[int]:
+        """The numbers of this node's entries whose name matches ``pattern``, ascending."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+        return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)))
 
     # -------------------------------------------------------------- protocol
     def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
@@ -178,11 +182,7 @@ class LocalLevel(Level):
 
     def parked(self) -> list[int]:
         """Steps parked on this node (committed, not used by the last restore), ascending."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
-        return sorted(int(m.group(1)) for n in names if (m := _PARKED_RE.match(n)))
+        return self._numbered(_PARKED_RE)
 
     def park(self, steps: set[int]) -> None:
         """Node leader: move committed ``steps`` that a restore did not use out of the way

@@ -286,3 +286,17 @@ def error_summary(exc: Exception | None) -> tuple[Any, ...] | None:
     failures = getattr(exc, "failures", None)
     return (type(exc).__name__, getattr(exc, "step", None),
             sorted(failures.items()) if failures is not None else None, str(exc))
+
+
+def save_steps(topo: Topology, steps: list[int], **overrides: Any) -> dict[int, Any]:
+    """Save ``steps`` of :func:`small_state` (sync) in one Checkpointer; return each step's
+    canonical state."""
+    from ftkit import Checkpointer, Config
+    ckpt = Checkpointer(topo, Config.load(async_=False, **overrides))
+    out = {}
+    for s in steps:
+        state = small_state(RANK, s)
+        out[s] = canon(state)
+        ckpt.save(s, state)
+    ckpt.close()
+    return out

@@ -14,20 +14,21 @@ from ftkit.capture.staging import Stager
 from .mpi_helpers import RANK, canon, diff, model_and_optimizer, topology, train_step
 
 
-def _gated_staging(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Background staging waits for the returned event before copying anything."""
+def gated_staging(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """From now on, background staging waits for the returned event before copying
+    anything (also used by test_mpi_torn.py)."""
     gate = threading.Event()
     original = Stager._copy_all
 
-    def gated(self: Stager, *args: Any) -> None:
-        gate.wait(timeout=60)
-        original(self, *args)
+    def gated(self: Stager, *args: Any, **kwargs: Any) -> None:
+        assert gate.wait(timeout=60), "the test never opened the staging gate"
+        original(self, *args, **kwargs)
     monkeypatch.setattr(Stager, "_copy_all", gated)
     return gate
 
 
 def test_optimizer_waits_for_staging_and_buffers_are_copied_at_save(ftkit_env, monkeypatch):
-    gate = _gated_staging(monkeypatch)
+    gate = gated_staging(monkeypatch)
     model, opt = model_and_optimizer(seed=RANK)
     state = {"model": model, "optim": opt}
     opt.register_step_pre_hook(lambda *_: gate.set())       # runs before ftkit's hook

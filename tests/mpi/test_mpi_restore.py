@@ -25,23 +25,12 @@ from .mpi_helpers import (
     error_summary,
     events,
     node_listing,
+    save_steps,
     small_state,
     topology,
 )
 
 NODE = RANK // 2
-
-
-def save_steps(topo, steps, **overrides) -> dict:
-    """Save ``steps`` (sync) in one Checkpointer; return each step's canonical state."""
-    ckpt = Checkpointer(topo, Config.load(async_=False, **overrides))
-    out = {}
-    for s in steps:
-        state = small_state(RANK, s)
-        out[s] = canon(state)
-        ckpt.save(s, state)
-    ckpt.close()
-    return out
 
 
 def restore_fresh(topo) -> tuple[int, dict]:

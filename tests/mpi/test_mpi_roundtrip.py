@@ -37,6 +37,7 @@ def test_roundtrip_every_kind_of_leaf_is_bit_exact(ftkit_env, monkeypatch, async
         is_async = ckpt._async
         ckpt.save(3, state)
         draws = rng_draws()          # what the generators give right after the save
+        ckpt.wait_staged()           # mutate() changes parameters in place
         mutate(state, RANK)          # while (async) the checkpoint is still being written
         changed = diff(expected, canon(state))
         ckpt.close()

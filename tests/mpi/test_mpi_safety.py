@@ -26,21 +26,10 @@ from .mpi_helpers import (
     diff,
     error_summary,
     events,
+    save_steps,
     small_state,
     topology,
 )
-
-
-def save_steps(topo, steps, **overrides) -> dict:
-    """Save ``steps`` (sync) in one Checkpointer; return each step's canonical state."""
-    ckpt = Checkpointer(topo, Config.load(async_=False, **overrides))
-    out = {}
-    for s in steps:
-        state = small_state(RANK, s)
-        out[s] = canon(state)
-        ckpt.save(s, state)
-    ckpt.close()
-    return out
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -71,7 +60,7 @@ def test_unusable_steps_are_kept_and_named(ftkit_env, monkeypatch):
     assert any("step-3/COMMITTED" in k for k in before), before
     monkeypatch.setenv("FTKIT_RANKS_PER_NODE", "1")
     with topology() as topo:
-        step, error = try_restore(topo, small_state(RANK, 0))
+        _step, error = try_restore(topo, small_state(RANK, 0))
     assert allgather(error_summary(error)) == [error_summary(error)] * 4
     assert isinstance(error, UnrecoverableError), error
     text = str(error)
@@ -112,7 +101,7 @@ def test_another_runs_steps_are_refused(ftkit_env, monkeypatch, tmp_path_factory
     other = WORLD.bcast(str(tmp_path_factory.mktemp("other-pfs")) if RANK == 0 else None)
     monkeypatch.setenv("FTKIT_PFS_DIR", other)
     with topology() as topo:
-        step, error = try_restore(topo, small_state(RANK, 0))
+        _step, error = try_restore(topo, small_state(RANK, 0))
     assert allgather(error_summary(error)) == [error_summary(error)] * 4
     assert isinstance(error, UnrecoverableError) and "another run" in str(error), error
     assert tree_digest(ftkit_env.local_dir) == before
@@ -127,7 +116,7 @@ def test_state_of_another_shape_is_refused(ftkit_env):
         before = tree_digest(ftkit_env.local_dir)
         state = {**small_state(RANK, 0), "model": torch.nn.Linear(4, 3 if RANK == 2 else 8)}
         w0 = state["w"].clone()
-        step, error = try_restore(topo, state)
+        _step, error = try_restore(topo, state)
     assert allgather(error_summary(error)) == [error_summary(error)] * 4
     assert isinstance(error, StateMismatchError), error
     assert "model/weight: checkpoint has float32 [8, 4], the state has float32 [3, 4]" in str(error)
@@ -192,7 +181,7 @@ def test_final_load_verifies_what_it_loads(ftkit_env, monkeypatch):
             flip_byte(ftkit_env.step_dir(1, 1) / "rank-3.ftk")
         WORLD.Barrier()
         monkeypatch.setattr(Shard, "check", classmethod(lambda cls, *a, **k: None))
-        step, error = try_restore(topo, small_state(RANK, 0))
+        _step, error = try_restore(topo, small_state(RANK, 0))
     assert allgather(error_summary(error)) == [error_summary(error)] * 4
     assert error is not None and "checksum mismatch" in str(error), error
     assert "rank-3.ftk" in str(error)

@@ -1,9 +1,10 @@
-"""ftkit.capture.flatten + staging: state trees survive flatten -> shard -> unflatten exactly."""
+"""ftkit.capture.flatten + staging: state trees survive flatten -> shard -> unflatten exactly.
+
+Background staging (and torn-snapshot detection) is tested in test_staging.py."""
 from __future__ import annotations
 
 import math
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -407,42 +408,3 @@ _trees = st.recursive(
 @given(tree=_trees)
 def test_random_trees_roundtrip(tree: Any, roundtrip: Roundtrip) -> None:
     assert_same({"root": tree}, roundtrip({"root": tree}))
-
-
-def test_stager_background_copies_only_deferrable_leaves(monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    """Deferrable leaves are copied by the worker (here held back by a gate); the others are
-    copied before ``start`` returns, so later changes to them never reach the snapshot."""
-    gate = threading.Event()
-    original = Stager._copy_all
-
-    def gated(self: Stager, *args: Any) -> None:
-        assert gate.wait(timeout=30)
-        original(self, *args)
-    monkeypatch.setattr(Stager, "_copy_all", gated)
-    param, buffer = torch.arange(6, dtype=torch.float32), torch.ones(3)
-    stager = Stager(background=True)
-    try:
-        _, leaves = flatten({"param": param, "buffer": buffer})
-        bufs, staging = stager.start(leaves, lambda leaf: leaf.path == "param")
-        assert not staging.done()                      # the worker waits at the gate
-        buffer.add_(5)                                 # too late to matter: already copied
-        assert np.array_equal(bufs[1].view(np.float32), np.ones(3, dtype=np.float32))
-        gate.set()
-        assert staging.wait(timeout=30) is None
-        assert np.array_equal(bufs[0].view(np.float32), np.arange(6, dtype=np.float32))
-        assert all(leaf.source is None for leaf in leaves)   # no live references kept
-    finally:
-        gate.set()
-        stager.close()
-
-
-def test_stager_reports_background_errors() -> None:
-    stager = Stager(background=True)
-    try:
-        _, leaves = flatten({"p": torch.zeros(4)})
-        leaves[0].source = torch.zeros(5)              # shape no longer matches the leaf
-        _, staging = stager.start(leaves, lambda leaf: True)
-        assert isinstance(staging.wait(timeout=30), RuntimeError)
-    finally:
-        stager.close()
