@@ -156,7 +156,13 @@ class Checkpointer:
         """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
         ``step``. Async: returns once the state is captured (parameters and optimizer state
         may still be staging; see :meth:`wait_staged`) after the previous checkpoint's
-        commit (whose CheckpointError it raises). All ranks call, with the same step."""
+        commit (whose CheckpointError it raises). All ranks call, with the same step.
+
+        Until staging is done, only ``optimizer.step()`` of an optimizer in ``state`` may
+        change the saved tensors (it waits for staging by itself); anything else that
+        changes them in place must call :meth:`wait_staged` first. A change ftkit sees
+        through a tensor's version counter aborts this step on every rank (the previous
+        committed step stays); a change through ``.data`` or raw memory is not seen."""
         t0 = time.perf_counter()
         self._settle()
         if self.stop_requested:
