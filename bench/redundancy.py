@@ -27,13 +27,14 @@ import _mpi
 def _child(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
+    from ftkit.capture.flatten import TensorLeaf
     from ftkit.comm.dist import DistComm
     from ftkit.comm.placement import erasure_sets, partner_map, set_of
     from ftkit.comm.topology import virtual_nodes
     from ftkit.storage.erasure import ErasureLevel
     from ftkit.storage.local import LocalLevel
     from ftkit.storage.partner import PartnerLevel
-    from ftkit.storage.shard import write_atomic
+    from ftkit.storage.shard import write_atomic, write_shard
     from ftkit.testing.faults import Faults
 
     comm = MPI.COMM_WORLD
@@ -46,7 +47,10 @@ def _child(args: argparse.Namespace) -> None:
                        faults=Faults("", rank=rank, node=rank, attempt=0))
     local.prepare()
     local.ensure_step_dir(1)
-    local.shard_path(1).write_bytes(np.random.default_rng(rank).bytes(nbytes))
+    data = np.frombuffer(np.random.default_rng(rank).bytes(nbytes), dtype=np.uint8)
+    leaf = TensorLeaf("data", "numpy", "|u1", (nbytes,), nbytes)   # a real, verifiable shard
+    write_shard(local.shard_path(1), {"job": "bench", "step": 1, "rank": rank,
+                                      "world": world}, {"t": "tensor", "i": 0}, [leaf], [data])
     dc = DistComm(comm, 600.0)
 
     partners = partner_map(rank_node)

@@ -78,7 +78,7 @@ class Checkpointer:
                          "layout": {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}}
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
-                            self.faults) if config.interval("pfs") else None
+                            self.faults, run_id=self.run_id) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit,
                               stop_requested=_stop_file_exists,

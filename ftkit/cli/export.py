@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -11,24 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.storage.shard import checksum
-
 OK, BAD, USAGE = 0, 1, 2
 
 from ftkit.cli.scan import (
     ExportError,
-    StepRef,
     UsageError,
     _compact,
     _entry,
-    _h5py,
     _human,
-    _open,
-    _py,
-    _why,
     resolve,
 )
-from ftkit.storage.hdf5 import datasets as _datasets
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage import hdf5
 from ftkit.storage.hdf5 import raw_bytes as _raw
 
 # --------------------------------------------------------------------------- export
@@ -36,28 +29,11 @@ from ftkit.storage.hdf5 import raw_bytes as _raw
 Piece = tuple[dict[str, Any], np.ndarray]          # (tensor entry, raw uint8 bytes)
 
 
-def _read_rank(h5: Any, ref: StepRef, rank: int) -> tuple[dict[str, Any], list[Piece]]:
-    """(group attrs, [(entry, raw)] in tree order) of one rank, checksums verified."""
-    h5py = _h5py()
-    link = h5["rank"].get(str(rank), getlink=True)
-    if link is None:
-        raise ExportError(f"{ref.h5}: rank {rank} is not linked")
-    file = ref.h5.parent / link.filename if isinstance(link, h5py.ExternalLink) else ref.h5
-    try:
-        grp = h5[f"rank/{rank}"]
-        attrs = {k: _py(v) for k, v in grp.attrs.items()}
-        pieces = []
-        for ds in _datasets(grp):
-            entry = _entry(ds, file)
-            raw = _raw(ds[()])
-            if checksum(raw) != entry["checksum"]:
-                raise ExportError(f"{file}:{ds.name}: checksum mismatch (stored "
-                                  f"{entry['checksum']}, data has {checksum(raw)})")
-            pieces.append((entry, raw))
-    except (KeyError, OSError, ValueError, TypeError) as exc:
-        raise ExportError(f"{file}:/rank/{rank}: cannot read: {_why(exc)}") from exc
-    pieces.sort(key=lambda p: p[0]["index"])
-    return attrs, pieces
+def _read_rank(reader: hdf5.StepReader, rank: int) -> tuple[hdf5.RankGroup, list[Piece]]:
+    """(verified group, [(entry, raw)] in tree order) of one rank, every checksum verified
+    (CorruptCheckpointError otherwise)."""
+    group, arrays = reader.read(rank)
+    return group, [(_entry(e, Path(group.file)), raw) for e, raw in zip(group.entries, arrays)]
 
 
 def _assemble(path: str, held: list[tuple[int, Piece]]) -> Piece:
@@ -109,15 +85,14 @@ def _assemble(path: str, held: list[tuple[int, Piece]]) -> Piece:
     return {**first, "shape": gshape, "nbytes": merged.nbytes, "shard": None}, merged
 
 
-def _merge_ranks(h5: Any, ref: StepRef, world: int, tp: int, pp: int
+def _merge_ranks(reader: hdf5.StepReader, world: int, tp: int, pp: int
                  ) -> tuple[list[Piece], str]:
     """The single-process tensors of a TP/PP checkpoint, merged from the dp_idx 0 ranks."""
     held: dict[str, list[tuple[int, Piece]]] = {}
     used = []
     for rank in range(world):
-        attrs, pieces = _read_rank(h5, ref, rank)
-        topo = json.loads(attrs.get("topology", "{}"))
-        dp_idx = topo.get("dp_idx", (rank // tp) % max(1, world // (tp * pp)))
+        group, pieces = _read_rank(reader, rank)
+        dp_idx = group.topology.get("dp_idx", (rank // tp) % max(1, world // (tp * pp)))
         if dp_idx != 0:
             continue
         used.append(rank)
@@ -199,17 +174,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not committed:
         raise ExportError(f"{ref.label} in {ref.dir} is incomplete: {reason}")
     try:
-        with _open(ref.h5) as h5:
-            meta = {k: _py(v) for k, v in h5.attrs.items()}
+        with hdf5.StepReader(ref.dir, ref.step, file=ref.h5) as reader:
+            meta = reader.meta
             world, tp, pp = (int(meta.get(k, 1)) for k in ("world", "tp", "pp"))
             if tp * pp == 1:
-                _, pieces = _read_rank(h5, ref, 0)
+                _, pieces = _read_rank(reader, 0)
                 source = (f"rank 0 (data-parallel replicas, world {world})" if world > 1
                           else "rank 0")
             else:
-                pieces, source = _merge_ranks(h5, ref, world, tp, pp)
-    except OSError as exc:
-        raise ExportError(f"{ref.h5}: cannot read: {exc}") from exc
+                pieces, source = _merge_ranks(reader, world, tp, pp)
+    except CorruptCheckpointError as exc:
+        where = ", ".join(x for x in (f"rank {exc.rank}" if exc.rank is not None else "",
+                                      f"step {exc.step}" if exc.step is not None else "") if x)
+        raise ExportError(f"{exc.path}: {exc.reason}" + (f" ({where})" if where else "")
+                          ) from exc
     tensors: dict[str, Any] = {}
     skipped = []
     nbytes = 0

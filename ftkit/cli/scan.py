@@ -5,7 +5,6 @@ Imports h5py lazily; never mpi4py or torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import sys
 import time
@@ -16,8 +15,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ftkit.storage.hdf5 import FORMAT, INDEX
-from ftkit.storage.hdf5 import datasets as _datasets
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage import hdf5
+from ftkit.storage.hdf5 import INDEX
 from ftkit.storage.hdf5 import raw_bytes as _raw
 from ftkit.storage.shard import checksum
 
@@ -228,25 +228,12 @@ def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES) -> str:
     return "xxh3-64:" + h.hexdigest()
 
 
-def _entry(ds: Any, file: Path) -> dict[str, Any]:
-    """The JSON description of one tensor dataset (raises KeyError etc. on bad attributes)."""
-    a = ds.attrs
-    dim = int(a.get("shard_dim", -1))
-    shard = None if dim < 0 else {"dim": dim, "offset": int(a["shard_offset"]),
-                                  "global_shape": [int(x) for x in a["global_shape"]]}
-    return {"path": str(a["ftkit_path"]), "dtype": str(a["ftkit_dtype"]),
-            "kind": str(a["ftkit_kind"]), "shape": [int(x) for x in a["ftkit_shape"]],
-            "nbytes": int(ds.nbytes), "checksum": str(a["checksum"]),
-            "index": int(a["ftkit_index"]), "file": str(file), "dataset": str(ds.name),
-            "shard": shard}
-
-
-def _count_tensors(node: Any) -> int:
-    if isinstance(node, dict):
-        return (node.get("t") == "tensor") + sum(_count_tensors(v) for v in node.values())
-    if isinstance(node, list):
-        return sum(_count_tensors(v) for v in node)
-    return 0
+def _entry(entry: dict[str, Any], file: Path) -> dict[str, Any]:
+    """The JSON description of one verified tensor entry (:class:`hdf5.RankGroup`)."""
+    return {"path": entry["path"], "dtype": entry["dtype"], "kind": entry["kind"],
+            "shape": entry["shape"], "nbytes": entry["nbytes"], "checksum": entry["checksum"],
+            "index": entry["index"], "file": str(file), "dataset": entry["name"],
+            "shard": entry["shard"]}
 
 
 def _rank_key(name: str) -> tuple[int, str]:
@@ -299,7 +286,8 @@ def _progress_enabled(as_json: bool) -> bool:
 def scan(ref: StepRef, *, tensors: bool = False, verify: bool = False,
          progress: Progress | None = None) -> StepScan:
     """Read one step: index attributes; with ``tensors`` every rank's tensor entries and
-    structural checks; with ``verify`` also every dataset's checksum. Problems are recorded,
+    structural checks; with ``verify`` also every dataset's checksum. Nothing is used before
+    its metadata checksum is verified (:mod:`ftkit.storage.hdf5`). Problems are recorded,
     never raised."""
     committed, reason = ref.state()
     sc = StepScan(ref, committed, reason)
@@ -308,16 +296,16 @@ def scan(ref: StepRef, *, tensors: bool = False, verify: bool = False,
     h5py = _h5py()
     try:
         with _open(ref.h5) as h5:
-            sc.meta = {k: _py(v) for k, v in h5.attrs.items()}
-            fmt = sc.meta.get("format")
-            if fmt != FORMAT:
-                why = (f"format {fmt!r}, expected {FORMAT!r}" if fmt is not None
-                       else "no 'format' attribute: not an ftkit checkpoint file")
-                sc.problems.append(Bad(str(ref.h5), why))
-            if tensors or verify:
-                _scan_ranks(sc, h5, h5py, verify, progress)
-    except OSError as exc:
-        sc.problems.append(Bad(str(ref.h5), f"cannot read: {exc}"))
+            sc.meta = {k: _py(v) for k, v in h5.attrs.items() if k != hdf5.META}
+            try:
+                hdf5.check_root(h5, str(ref.h5), step=ref.step)
+            except CorruptCheckpointError as exc:
+                sc.problems.append(Bad(exc.path, exc.reason))
+            else:
+                if tensors or verify:
+                    _scan_ranks(sc, h5, h5py, verify, progress)
+    except Exception as exc:  # noqa: BLE001 - any library error is a damaged file
+        sc.problems.append(Bad(str(ref.h5), f"cannot read: {_why(exc)}"))
     if progress is not None:
         progress.done()
     return sc
@@ -348,69 +336,41 @@ def _scan_ranks(sc: StepScan, h5: Any, h5py: Any, verify: bool,
             file = ref.h5.parent / link.filename
         try:
             grp = ranks[name]
-        except (KeyError, OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any library error: does not resolve
             target = (f"{link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink)
                       else name)
             sc.problems.append(Bad(where, f"link to {target} does not resolve ({_why(exc)})"))
             continue
-        _scan_rank(sc, rank, grp, file, verify, progress)
+        try:
+            group = hdf5.RankGroup.load(grp, file, rank=rank, step=sc.step,
+                                        world=world if isinstance(world, int) else None)
+        except CorruptCheckpointError as exc:
+            sc.problems.append(Bad(exc.path, exc.reason))
+            continue
+        _scan_rank(sc, rank, group, file, verify, progress)
 
 
-def _scan_rank(sc: StepScan, rank: int, grp: Any, file: Path, verify: bool,
+def _scan_rank(sc: StepScan, rank: int, group: hdf5.RankGroup, file: Path, verify: bool,
                progress: Progress | None) -> None:
-    where = f"{file}:{grp.name}"
-    try:
-        attrs = {k: _py(v) for k, v in grp.attrs.items()}
-        datasets = _datasets(grp)
-    except (KeyError, OSError, ValueError, RuntimeError) as exc:
-        sc.problems.append(Bad(where, f"unreadable rank group: {_why(exc)}"))
+    sc.rank_info[rank] = {"file": str(file), **group.topology}
+    sc.ranks[rank] = [_entry(e, file) for e in group.entries]
+    if not verify:
         return
-    if attrs.get("rank") != rank:
-        sc.problems.append(Bad(where, f"group says rank {attrs.get('rank')}, linked as {rank}"))
-    if sc.step is not None and attrs.get("step") != sc.step:
-        sc.problems.append(Bad(where, f"group says step {attrs.get('step')}, expected {sc.step}"))
-    try:
-        topo = json.loads(attrs.get("topology", "{}"))
-        expected = _count_tensors(json.loads(attrs["tree"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        sc.problems.append(Bad(where, f"bad 'tree'/'topology' attribute: {_why(exc)}"))
-        topo, expected = {}, None
-    sc.rank_info[rank] = {"file": str(file), **(topo if isinstance(topo, dict) else {})}
-    entries = []
-    for ds in datasets:
+    for entry, ds in zip(group.entries, group.datasets):
         ds_where = f"{file}:{ds.name}"
         try:
-            entry = _entry(ds, file)
-        except (KeyError, OSError, ValueError, TypeError) as exc:
-            sc.problems.append(Bad(ds_where, f"unreadable attributes: {_why(exc)}"))
-            continue
-        entries.append(entry)
-        if not verify:
-            continue
-        try:
             got = dataset_checksum(ds)
-        except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any library error: unreadable
             sc.problems.append(Bad(ds_where, f"unreadable data: {_why(exc)}"))
             continue
-        if not entry["checksum"].startswith("xxh3-64:"):
-            sc.problems.append(Bad(ds_where, f"unknown checksum {entry['checksum']!r}"))
-        elif got != entry["checksum"]:
+        if got != entry["checksum"]:
             sc.problems.append(Bad(ds_where, f"checksum mismatch: stored {entry['checksum']}, "
                                              f"data has {got}"))
         sc.checked += 1
         sc.checked_bytes += entry["nbytes"]
         if progress is not None:
             progress.add(entry["nbytes"])
-    entries.sort(key=lambda e: e["index"])
-    sc.ranks[rank] = entries
-    if expected is not None:
-        have = [e["index"] for e in entries]
-        missing = sorted(set(range(expected)) - set(have))
-        if missing or len(have) != expected:
-            sc.problems.append(Bad(where, f"its tree has {expected} tensors but it holds "
-                                          f"{len(have)} datasets"
-                                          + (f" (missing ftkit_index {_compact(missing)})"
-                                             if missing else "")))
+
 
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -1,30 +1,39 @@
 """Restore from the parallel-file-system level (HDF5): pick the newest committed PFS step that
 every rank can read intact and load it; a different DP size is resharded (see
 :func:`source_rank`). All functions that talk to other ranks say so.
+
+Nothing read from the PFS is trusted before it is verified (see :mod:`ftkit.storage.hdf5`),
+and *any* failure while reading or decoding a candidate step — a damaged HDF5 structure, an
+attribute that does not decode, a tree that does not rebuild — makes that step unusable with a
+one-line reason (logged, ``restore-skip`` event); restore then tries the next older step.
 """
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 from ftkit.capture.apply import load_into
 from ftkit.capture.flatten import TensorLeaf, leaf_from_bytes, unflatten
 from ftkit.comm.dist import DistComm
-from ftkit.errors import CheckpointError, CorruptCheckpointError
+from ftkit.errors import CheckpointError, CorruptCheckpointError, FtkitError
 from ftkit.storage import hdf5
 from ftkit.storage.pfs import PfsLevel
 
 log = logging.getLogger(__name__)
+_RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of ftkit.RNGState
 
 
-def source_rank(step_dir: Any, topo: Any) -> int:
+def source_rank(step_dir: Any, topo: Any, meta: dict[str, Any] | None = None) -> int:
     """The rank of the saved job whose shard this rank loads. Same world: itself. Another
     DP size with the same tp x pp: the DP replica ``dp_idx % saved dp`` of the same
-    (tp, pp) shard (replicated parameters and optimizer state are identical across DP)."""
-    meta = hdf5.read_index_attrs(step_dir)
+    (tp, pp) shard, after checking that the saved DP replicas of that (tp, pp) coordinate
+    hold identical tensors (:func:`check_dp_replicas`; only this rank's view, local).
+    ``meta``: the verified index attributes (read when None)."""
+    if meta is None:
+        meta = hdf5.read_index_attrs(Path(step_dir))
     world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
     if world == topo.world:
         return int(topo.rank)
@@ -35,33 +44,111 @@ def source_rank(step_dir: Any, topo: Any) -> int:
             f"(shard_dim) that these tensors do not carry"))
     dp = world // (tp * pp)
     c = topo.coords
-    return c.pp * dp * tp + (c.dp % dp) * tp + c.tp
+    replicas = [c.pp * dp * tp + d * tp + c.tp for d in range(dp)]
+    check_dp_replicas(Path(step_dir), int(meta["step"]), replicas)
+    return replicas[c.dp % dp]
+
+
+def rank_local_indices(tree: Any) -> set[int]:
+    """Tensor indices of the state that legitimately differ between DP replicas: those of
+    ``ftkit.RNGState`` objects (each rank draws its own random streams)."""
+    found: set[int] = set()
+
+    def tensors(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("t") == "tensor":
+                found.add(int(node["i"]))
+            for v in node.values():
+                tensors(v)
+        elif isinstance(node, list):
+            for v in node:
+                tensors(v)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            inner = node.get("v")
+            if node.get("t") == "obj" and isinstance(inner, dict) and inner.get("t") == "dict":
+                keys = {k for k, _ in inner.get("items", [])}
+                if {"python", "numpy"} <= keys <= _RNG_KEYS:
+                    tensors(inner)
+                    return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(tree)
+    return found
+
+
+def check_dp_replicas(step_dir: Path, step: int, replicas: list[int]) -> None:
+    """Resharding by DP assumes the DP replicas of one (tp, pp) coordinate hold identical
+    state: compare the per-tensor checksums (verified metadata, no data read) of the saved
+    ``replicas``; RNG state is rank-local and exempt. CheckpointError when they differ
+    (e.g. ZeRO-sharded optimizer state). Local."""
+    with hdf5.StepReader(step_dir, step) as reader:
+        first: dict[str, str] | None = None
+        for rank in replicas:
+            group = reader.group(rank)
+            skip = rank_local_indices(group.tree)
+            sums = {e["path"]: e["checksum"] for e in group.entries if e["index"] not in skip}
+            if first is None:
+                first = sums
+                continue
+            for path in sorted(set(first) | set(sums)):
+                if first.get(path) != sums.get(path):
+                    raise CheckpointError(step, {}, message=(
+                        f"{step_dir} (level pfs, step {step}): DP replicas differ at tensor "
+                        f"{path!r} (rank {replicas[0]} vs {rank}): sharded optimizer state "
+                        f"cannot be resharded by DP; restore with the saved world size "
+                        f"({reader.meta.get('world')} ranks)"))
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one short line (the reason a PFS step is unusable)."""
+    text = str(exc) if isinstance(exc, (FtkitError, CorruptCheckpointError)) else \
+        f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _read_step(pfs: PfsLevel, step: int) -> Any:
+    """This rank's state tree of PFS ``step``, every byte verified (raises on any problem).
+    Local."""
+    step_dir = pfs.step_dir(step)
+    with hdf5.StepReader(step_dir, step) as reader:
+        src = source_rank(step_dir, pfs.topo, reader.meta)
+        group, arrays = reader.read(src)
+    leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]), e["nbytes"])
+              for e in group.entries]
+    return unflatten(group.tree, [leaf_from_bytes(lf, a) for lf, a in zip(leaves, arrays)])
 
 
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
                      emit: Callable[..., None], newer_than: int = 0) -> int:
     """Load the newest committed PFS step newer than ``newer_than`` that every rank can read
-    intact; a different DP size is resharded (see :func:`source_rank`). 0 when there is
-    none. All ranks call."""
+    intact; a different DP size is resharded (see :func:`source_rank`). Any exception while
+    reading or decoding a step on any rank makes it unusable everywhere (agreed), and the
+    next older one is tried. 0 when there is none. All ranks call."""
     candidates = dc.bcast([s for s in pfs.committed_steps() if s > newer_than]
                           if dc.rank == 0 else None, "restore-discover")
     for step in candidates:
         failure = None
         loaded: Any = None
         try:
-            src = source_rank(pfs.step_dir(step), pfs.topo)
-            attrs, entries, arrays = hdf5.read_rank(pfs.step_dir(step), src)
-            leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
-                                 e["nbytes"]) for e in entries]
-            loaded = unflatten(json.loads(attrs["tree"]),
-                               [leaf_from_bytes(lf, a) for lf, a in zip(leaves, arrays)])
-        except (CheckpointError, CorruptCheckpointError) as exc:
-            failure = str(exc)
+            loaded = _read_step(pfs, step)
+        except Exception as exc:  # noqa: BLE001 - any failure: the step is unusable
+            failure = _one_line(exc)
+            log.warning("rank %d: PFS step %d (%s) is unusable: %s", dc.rank, step,
+                        pfs.step_dir(step), failure)
         failures = dc.agree(failure, "restore-discover", step)
         if failures:
+            reason = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
             if dc.rank == 0:
-                log.warning("restore: PFS step %d is unusable: %s", step, failures)
-            emit("restore-skip", step=step, level="pfs", failures=failures)
+                log.warning("restore: PFS step %d is unusable, trying an older one: %s",
+                            step, reason)
+            emit("restore-skip", step=step, level="pfs", failures=failures,
+                 reason=reason if len(reason) <= 1000 else reason[:997] + "...")
             continue
         dc.run(functools.partial(load_into, state, loaded, step), "restore-load", step)
         if dc.rank == 0:

@@ -9,26 +9,47 @@ attributes; every dataset carries ``checksum`` (xxh3-64 of its raw bytes, the sa
 the node-local shard), ``ftkit_dtype`` / ``ftkit_kind`` / ``ftkit_index`` (to rebuild the
 exact tensor), ``global_shape``, ``shard_offset`` and ``shard_dim`` (-1: not sharded).
 dtypes HDF5 has no type for (bfloat16, float8, ...) are stored as raw bytes (``ftkit_raw``).
-h5py is imported lazily: importing ftkit never needs it.
+
+Nothing a reader trusts is unprotected (format ``ftkit-hdf5-2``): every ``/rank/<r>`` group
+and the root of every file carry ``meta_checksum``, the xxh3-64 of a canonical JSON form
+(sorted keys, compact) of
+
+* a rank group: its attributes, and for every dataset below it its name, stored HDF5 dtype
+  and shape and all its attributes;
+* a file root: its attributes and the links of ``/rank`` (external link targets in the index).
+
+:class:`StepReader` (restore) and the ``ftkit`` CLI verify these before using a value, then
+cross-check every dataset (``nbytes == prod(ftkit_shape) * itemsize(ftkit_dtype)`` and the
+stored dtype and shape) and the tree against the datasets. Files without the checksum (format
+``ftkit-hdf5-1``) are refused. h5py is imported lazily: importing ftkit never needs it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import re
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
+from ftkit.capture.flatten import numpy_dtype
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.shard import Shard, checksum, fsync_dir, write_atomic
 
-FORMAT = "ftkit-hdf5-1"
+FORMAT = "ftkit-hdf5-2"
 INDEX = "ftkit.h5"
+COMMITTED = "COMMITTED"
+META = "meta_checksum"
 _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1",
              "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "bool": "|b1",
              "complex64": "<c8", "complex128": "<c16"}
+_TORCH_BYTES = {"bool": 1, "bfloat16": 2, "complex32": 4, "chalf": 4, "float4_e2m1fn_x2": 1}
+_BITS = re.compile(r"(?:u?int|float|complex|bits)(\d+)(?:_[a-z0-9]+)?")
 CHUNK_BYTES = 64 << 20     # contiguous up to this size; larger tensors: ~16 MiB chunks
 
 
@@ -42,9 +63,28 @@ def _storage_dtype(t: dict[str, Any]) -> np.dtype | None:
     if t["kind"] == "torch":
         descr = _H5_TORCH.get(t["dtype"])
         return np.dtype(descr) if descr else None
-    if t["dtype"].startswith("json:") or t["dtype"][1] in "UOMmV":
+    if t["dtype"].startswith("json:") or len(t["dtype"]) < 2 or t["dtype"][1] in "UOMmV":
         return None
     return np.dtype(t["dtype"])
+
+
+def itemsize(kind: str, dtype: str) -> int:
+    """Bytes per element of an ftkit dtype (torch name or numpy descr), without importing
+    torch (ValueError when unknown)."""
+    if kind == "numpy":
+        return int(numpy_dtype(dtype).itemsize)
+    if kind != "torch":
+        raise ValueError(f"unknown tensor kind {kind!r}")
+    if dtype in _TORCH_BYTES:
+        return _TORCH_BYTES[dtype]
+    m = _BITS.fullmatch(dtype)
+    if m and int(m.group(1)) % 8 == 0:
+        return int(m.group(1)) // 8
+    torch = sys.modules.get("torch")
+    size = getattr(getattr(torch, dtype, None), "itemsize", None)
+    if isinstance(size, int):
+        return size
+    raise ValueError(f"unknown torch dtype {dtype!r}")
 
 
 def dataset_names(tensors: list[dict[str, Any]]) -> list[str]:
@@ -73,8 +113,250 @@ def _chunks(data: np.ndarray) -> tuple[int, ...] | None:
     return (max(1, (16 << 20) // row), *data.shape[1:])
 
 
+# --------------------------------------------------------------------------- metadata checksum
+
+def _plain(value: Any) -> Any:
+    """An attribute value as JSON-able Python that keeps its kind (bytes stay tagged)."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()] if value.ndim else _plain(value.item())
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return {"repr": f"{type(value).__module__}.{type(value).__qualname__}"}
+
+
+def attrs_of(obj: Any) -> dict[str, Any]:
+    """Every attribute of an h5py object but ``meta_checksum``, as plain Python."""
+    return {k: _plain(obj.attrs[k]) for k in obj.attrs if k != META}
+
+
+def _digest(canon: Any) -> str:
+    return checksum(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _links(grp: Any) -> dict[str, list[str]]:
+    h5py = _h5py()
+    out: dict[str, list[str]] = {}
+    for name in grp:
+        link = grp.get(name, getlink=True)
+        if isinstance(link, h5py.ExternalLink):
+            out[name] = ["external", link.filename, link.path]
+        elif isinstance(link, h5py.SoftLink):
+            out[name] = ["soft", link.path]
+        else:
+            out[name] = ["hard"]
+    return out
+
+
+def root_canon(h5: Any) -> dict[str, Any]:
+    """Canonical form of a file root: attributes, members, links of ``/rank``."""
+    ranks = h5.get("rank", getlink=True)
+    return {"attrs": attrs_of(h5), "members": sorted(h5),
+            "rank": _links(h5["rank"]) if ranks is not None else None}
+
+
+def _dataset_list(grp: Any) -> list[tuple[str, Any]]:
+    """(name relative to ``grp``, dataset) of every dataset below ``grp``, sorted by name."""
+    found: list[tuple[str, Any]] = []
+    grp.visititems(lambda n, obj: found.append((n, obj)) if hasattr(obj, "dtype") else None)
+    return sorted(found, key=lambda item: item[0])
+
+
+def _group_canon(grp: Any) -> tuple[dict[str, Any], list[tuple[str, Any, dict[str, Any]]]]:
+    """(canonical form, [(name, dataset, plain attrs)]) of a rank group, read once."""
+    items = [(name, ds, attrs_of(ds)) for name, ds in _dataset_list(grp)]
+    canon = {"attrs": attrs_of(grp),
+             "datasets": [{"name": name, "dtype": ds.dtype.str,
+                           "shape": None if ds.shape is None else list(ds.shape),
+                           "attrs": attrs} for name, ds, attrs in items]}
+    return canon, items
+
+
+def seal(obj: Any) -> None:
+    """(Re)compute and store ``meta_checksum`` of a file root (``obj`` is the File) or a rank
+    group, from what the file holds now."""
+    canon = root_canon(obj) if obj.name == "/" else _group_canon(obj)[0]
+    obj.attrs[META] = _digest(canon)
+
+
+def _check_seal(obj: Any, canon: Any, where: str, *, rank: int | None,
+                step: int | None) -> None:
+    stored = obj.attrs.get(META)
+    who = ", ".join(x for x in (f"rank {rank}" if rank is not None else "",
+                               f"step {step}" if step is not None else "") if x)
+    if stored is None:
+        raise CorruptCheckpointError(where, f"no {META} attribute: its metadata cannot be "
+                                            f"trusted", rank=rank, step=step, level="pfs")
+    got = _digest(canon)
+    if _plain(stored) != got:
+        raise CorruptCheckpointError(
+            where, f"metadata checksum mismatch{f' ({who})' if who else ''}: stored "
+                   f"{_plain(stored)}, attributes and datasets give {got} (changed after "
+                   f"writing)", rank=rank, step=step, level="pfs")
+
+
+def check_root(h5: Any, where: str, *, step: int | None = None) -> dict[str, Any]:
+    """Verify a file root (format and ``meta_checksum``); its attributes as plain Python.
+    With ``step``, also that an index says that step. Raises CorruptCheckpointError."""
+    try:
+        fmt = _plain(h5.attrs.get("format"))
+        if fmt != FORMAT:
+            if fmt is None:
+                why = "no 'format' attribute: not an ftkit checkpoint file"
+            elif isinstance(fmt, str) and fmt.startswith("ftkit-hdf5-"):
+                why = (f"format {fmt!r} carries no metadata checksums (written by an older "
+                       f"ftkit) and is not trusted; this ftkit reads {FORMAT!r}")
+            else:
+                why = f"format {fmt!r}, expected {FORMAT!r}"
+            raise CorruptCheckpointError(where, why, step=step, level="pfs")
+        _check_seal(h5, root_canon(h5), where, rank=None, step=step)
+        attrs = attrs_of(h5)
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(where, f"unreadable file metadata: {_why(exc)}",
+                                     step=step, level="pfs") from exc
+    if step is not None and "step" in attrs and attrs["step"] != step:
+        raise CorruptCheckpointError(where, f"index says step {attrs['step']}, expected {step}",
+                                     step=step, level="pfs")
+    return attrs
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# --------------------------------------------------------------------------- rank groups
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} is {value!r}, not an integer")
+    return value
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is {value!r}, not a list of integers")
+    return [_int(v, what) for v in value]
+
+
+def tensor_entry(name: str, ds: Any, a: dict[str, Any]) -> dict[str, Any]:
+    """The validated description of one dataset (plain attrs ``a``): its attributes agree
+    with each other and with the stored HDF5 dtype and shape (ValueError/KeyError else)."""
+    kind, dtype = a["ftkit_kind"], a["ftkit_dtype"]
+    path, digest = a["ftkit_path"], a["checksum"]
+    if not all(isinstance(v, str) for v in (kind, dtype, path, digest)):
+        raise ValueError("ftkit_kind, ftkit_dtype, ftkit_path and checksum must be strings")
+    if not digest.startswith("xxh3-64:"):
+        raise ValueError(f"unknown checksum {digest!r}")
+    shape = _ints(a["ftkit_shape"], "ftkit_shape")
+    if any(n < 0 for n in shape):
+        raise ValueError(f"negative dimension in ftkit_shape {shape}")
+    nbytes = math.prod(shape) * itemsize(kind, dtype)
+    raw = a["ftkit_raw"]
+    want = _storage_dtype({"kind": kind, "dtype": dtype})
+    if not isinstance(raw, bool) or raw != (want is None):
+        raise ValueError(f"ftkit_raw {raw!r} does not fit {kind} dtype {dtype}")
+    stored = (np.dtype(np.uint8), (nbytes,)) if want is None else (want, tuple(shape))
+    if ds.shape is None or (ds.dtype, tuple(ds.shape)) != stored:
+        raise ValueError(f"stored as {ds.dtype.str} {ds.shape}, but ftkit_dtype {dtype} "
+                         f"ftkit_shape {shape} need {stored[0].str} {stored[1]}")
+    if ds.size * ds.dtype.itemsize != nbytes:
+        raise ValueError(f"holds {ds.size * ds.dtype.itemsize} bytes, ftkit_shape {shape} of "
+                         f"{dtype} needs {nbytes}")
+    dim = _int(a["shard_dim"], "shard_dim")
+    shard = None if dim < 0 else {"dim": dim, "offset": _int(a["shard_offset"], "shard_offset"),
+                                  "global_shape": _ints(a["global_shape"], "global_shape")}
+    return {"path": path, "kind": kind, "dtype": dtype, "shape": shape, "nbytes": nbytes,
+            "checksum": digest, "index": _int(a["ftkit_index"], "ftkit_index"),
+            "name": str(ds.name), "dataset_name": name, "shard": shard}
+
+
+def count_tensors(node: Any) -> int:
+    """Tensor leaves of a state skeleton."""
+    if isinstance(node, dict):
+        return (node.get("t") == "tensor") + sum(count_tensors(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(count_tensors(v) for v in node)
+    return 0
+
+
+@dataclasses.dataclass
+class RankGroup:
+    """A verified ``/rank/<r>`` group: attributes, parsed tree and topology, and its tensor
+    entries with their datasets in tree order (``ftkit_index``)."""
+
+    file: str
+    where: str
+    attrs: dict[str, Any]
+    tree: Any
+    topology: dict[str, Any]
+    entries: list[dict[str, Any]]
+    datasets: list[Any]
+
+    @classmethod
+    def load(cls, grp: Any, file: Path | str, *, rank: int, step: int | None = None,
+             world: int | None = None) -> RankGroup:
+        """Verify ``grp``'s ``meta_checksum`` first, then its identity (rank, step, world),
+        every dataset's attributes and the tree against the datasets. Reads no tensor data.
+        Raises CorruptCheckpointError naming the file and object."""
+        where = f"{file}:{grp.name}"
+
+        def bad(at: str, why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(at, why, rank=rank, step=step, level="pfs")
+        try:
+            canon, items = _group_canon(grp)
+            _check_seal(grp, canon, where, rank=rank, step=step)
+        except CorruptCheckpointError:
+            raise
+        except Exception as exc:
+            raise bad(where, f"unreadable rank group: {_why(exc)}") from exc
+        attrs = canon["attrs"]
+        for key, want in (("rank", rank), ("step", step), ("world", world)):
+            if want is not None and attrs.get(key) != want:
+                raise bad(where, f"group says {key} {attrs.get(key)}, "
+                                 f"{'linked as' if key == 'rank' else 'expected'} {want}")
+        try:
+            tree = json.loads(attrs["tree"])
+            topology = json.loads(attrs.get("topology", "{}"))
+            if not isinstance(topology, dict):
+                raise TypeError("topology is not a JSON object")
+        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+            raise bad(where, f"bad 'tree'/'topology' attribute: {_why(exc)}") from exc
+        entries, datasets = [], []
+        for name, ds, a in items:
+            try:
+                entry = tensor_entry(name, ds, a)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise bad(f"{file}:{ds.name}", f"bad attributes: {_why(exc)}") from exc
+            entries.append(entry)
+            datasets.append(ds)
+        order = sorted(range(len(entries)), key=lambda i: entries[i]["index"])
+        entries = [entries[i] for i in order]
+        datasets = [datasets[i] for i in order]
+        expected = count_tensors(tree)
+        have = [e["index"] for e in entries]
+        if have != list(range(expected)):
+            missing = sorted(set(range(expected)) - set(have))
+            raise bad(where, f"its tree has {expected} tensors but it holds {len(have)} "
+                             f"datasets" + (f" (missing ftkit_index {missing})" if missing
+                                            else f" (ftkit_index {have})"))
+        return cls(str(file), where, attrs, tree, topology, entries, datasets)
+
+
+# --------------------------------------------------------------------------- writing
+
 def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any]) -> None:
-    """Write one rank's shard as ``/rank/<r>`` into an open h5py file."""
+    """Write one rank's shard as ``/rank/<r>`` into an open h5py file, verifying every
+    tensor's bytes against the shard's checksum on the way (CorruptCheckpointError: the
+    shard is corrupt, nothing of it may reach the PFS), then seal the group."""
     h = shard.header
     grp = h5.create_group(f"rank/{h['rank']}")
     for key in ("rank", "step", "world", "job"):
@@ -83,37 +365,54 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any]) -> None:
     grp.attrs["topology"] = json.dumps(topology)
     for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
         raw = shard.raw(i)
+        if checksum(raw) != t["checksum"]:
+            raise CorruptCheckpointError(
+                str(shard.path), f"tensor {t['path']!r} does not match its checksum "
+                f"{t['checksum']}: the node-local shard is corrupt and is not copied to the "
+                f"PFS", rank=h["rank"], step=h["step"], level="local")
         dtype = _storage_dtype(t)
         data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
         ds = grp.create_dataset(name, data=data, chunks=_chunks(data))
         ds.attrs.update({"checksum": t["checksum"], "ftkit_kind": t["kind"],
                          "ftkit_dtype": t["dtype"], "ftkit_index": i,
                          "ftkit_raw": dtype is None, "ftkit_path": t["path"],
-                         "ftkit_shape": list(t["shape"]),
+                         "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
                          "global_shape": list(t["shape"]) or [0], "shard_offset": 0,
                          "shard_dim": -1})
+    seal(grp)
 
 
-def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
-                    ) -> None:
-    """Write the node file atomically (temp name, fsync, rename)."""
-    h5py = _h5py()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with h5py.File(tmp, "w") as h5:
-        h5.attrs["format"] = FORMAT
-        for shard in shards:
-            write_rank_group(h5, shard, topology[shard.header["rank"]])
-    fd = os.open(tmp, os.O_RDONLY)
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
+                    ) -> None:
+    """Write the node file atomically (temp name, fsync, rename, fsync dir); a corrupt shard
+    raises CorruptCheckpointError and leaves no file."""
+    h5py = _h5py()
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with h5py.File(tmp, "w") as h5:
+            h5.attrs["format"] = FORMAT
+            for shard in shards:
+                write_rank_group(h5, shard, topology[shard.header["rank"]])
+            seal(h5)
+        _fsync_file(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
 def write_index(step_dir: Path, meta: dict[str, Any], rank_files: dict[int, str]) -> None:
-    """Write ``ftkit.h5``: job attributes and external links to every rank's group."""
+    """Write ``ftkit.h5``: job attributes and external links to every rank's group (temp
+    name, fsync, rename, fsync dir)."""
     h5py = _h5py()
     tmp = step_dir / f".{INDEX}.tmp"
     with h5py.File(tmp, "w") as h5:
@@ -121,61 +420,137 @@ def write_index(step_dir: Path, meta: dict[str, Any], rank_files: dict[int, str]
         ranks = h5.create_group("rank")
         for rank, fname in sorted(rank_files.items()):
             ranks[str(rank)] = h5py.ExternalLink(fname, f"/rank/{rank}")
+        seal(h5)
+    _fsync_file(tmp)
     os.replace(tmp, step_dir / INDEX)
     fsync_dir(step_dir)
 
 
 def write_commit(step_dir: Path, record: dict[str, Any]) -> None:
-    write_atomic(step_dir / "COMMITTED", [json.dumps(record).encode()])
+    write_atomic(step_dir / COMMITTED, [json.dumps(record).encode()])
 
 
-def read_rank(step_dir: Path, rank: int, *, verify: bool = True
-              ) -> tuple[dict[str, Any], list[dict[str, Any]], list[np.ndarray]]:
-    """Read ``/rank/<r>`` through the index: (group attrs, tensor entries, raw uint8 arrays)
-    in leaf order; checksums verified. Raises CorruptCheckpointError naming the file."""
-    h5py = _h5py()
-    index = step_dir / INDEX
+def make_step_dir(step_dir: Path) -> None:
+    """Create ``step_dir`` (and missing parents, mode 0700) durably: the parent of every
+    directory created is fsynced."""
+    from ftkit.storage.local import make_private_dir
+    missing = []
+    p = step_dir
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    make_private_dir(step_dir)
+    for d in reversed(missing):
+        fsync_dir(d.parent)
+
+
+def retract_commit(step_dir: Path) -> bool:
+    """Durably remove ``step_dir/COMMITTED`` (unlink, fsync the directory) before a step is
+    written again, so a crash leaves an incomplete step, never two timelines mixed under one
+    record. True when there was one."""
     try:
-        with h5py.File(index, "r") as h5:
-            grp = h5[f"rank/{rank}"]
-            attrs = {k: grp.attrs[k] for k in grp.attrs}
-            entries, arrays = [], []
-            for ds in datasets(grp):
-                a = ds.attrs
-                raw = raw_bytes(ds[()])
-                entry = {"path": str(a["ftkit_path"]), "kind": str(a["ftkit_kind"]),
-                         "dtype": str(a["ftkit_dtype"]), "checksum": str(a["checksum"]),
-                         "index": int(a["ftkit_index"]), "name": ds.name,
-                         "shape": [int(x) for x in a["ftkit_shape"]], "nbytes": raw.nbytes}
-                if verify and checksum(raw) != entry["checksum"]:
-                    raise CorruptCheckpointError(f"{index}:{ds.name}", "checksum mismatch",
-                                                 rank=rank, level="pfs")
-                entries.append(entry)
-                arrays.append(raw)
-    except (OSError, KeyError) as exc:
-        raise CorruptCheckpointError(str(index), f"cannot read rank {rank}: {exc}",
-                                     rank=rank, level="pfs") from exc
-    order = sorted(range(len(entries)), key=lambda i: entries[i]["index"])
-    return attrs, [entries[i] for i in order], [arrays[i] for i in order]
+        (step_dir / COMMITTED).unlink()
+    except FileNotFoundError:
+        return False
+    fsync_dir(step_dir)
+    return True
 
+
+# --------------------------------------------------------------------------- reading
 
 def raw_bytes(a: Any) -> np.ndarray:
     """The bytes of an array read from a dataset, as a flat uint8 array (C order)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def read_index_attrs(step_dir: Path) -> dict[str, Any]:
-    """Attributes of ``step_dir/ftkit.h5`` (CorruptCheckpointError when unreadable)."""
-    try:
-        with _h5py().File(step_dir / INDEX, "r") as h5:
-            return {k: h5.attrs[k] for k in h5.attrs}
-    except OSError as exc:
-        raise CorruptCheckpointError(str(step_dir / INDEX), f"cannot read: {exc}",
-                                     level="pfs") from exc
-
-
 def datasets(grp: Any) -> list[Any]:
-    """Every dataset below an h5py group (links followed), in visiting order."""
-    out: list[Any] = []
-    grp.visititems(lambda _n, obj: out.append(obj) if hasattr(obj, "dtype") else None)
-    return out
+    """Every dataset below an h5py group (links followed), sorted by name."""
+    return [ds for _, ds in _dataset_list(grp)]
+
+
+class StepReader:
+    """A verified, open index ``step_dir/ftkit.h5`` (or ``file``, e.g. a node file of the
+    step; context manager). ``meta``: its attributes, trusted (format and ``meta_checksum``
+    checked, ``step`` matches)."""
+
+    def __init__(self, step_dir: Path, step: int | None = None, *,
+                 file: Path | None = None) -> None:
+        self.step_dir, self.step = step_dir, step
+        self.path = file if file is not None else step_dir / INDEX
+        try:
+            self.h5 = _h5py().File(self.path, "r", locking=False)
+        except Exception as exc:
+            raise CorruptCheckpointError(str(self.path), f"cannot read: {_why(exc)}",
+                                         step=step, level="pfs") from exc
+        try:
+            self.meta = check_root(self.h5, str(self.path), step=step)
+        except BaseException:
+            self.h5.close()
+            raise
+
+    def close(self) -> None:
+        self.h5.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def group(self, rank: int) -> RankGroup:
+        """The verified group of ``rank`` (through the index's link)."""
+        link = self.h5["rank"].get(str(rank), getlink=True) if "rank" in self.h5 else None
+        if link is None:
+            raise CorruptCheckpointError(str(self.path), f"rank {rank} is not linked",
+                                         rank=rank, step=self.step, level="pfs")
+        file = self.step_dir / link.filename if hasattr(link, "filename") else self.path
+        try:
+            grp = self.h5[f"rank/{rank}"]
+        except Exception as exc:
+            raise CorruptCheckpointError(f"{self.path}:/rank/{rank}", f"link does not resolve: "
+                                         f"{_why(exc)}", rank=rank, step=self.step,
+                                         level="pfs") from exc
+        world = self.meta.get("world")
+        return RankGroup.load(grp, file, rank=rank, step=self.step,
+                              world=world if isinstance(world, int) else None)
+
+    def read(self, rank: int, *, verify: bool = True
+             ) -> tuple[RankGroup, list[np.ndarray]]:
+        """``rank``'s verified group and raw uint8 arrays in tree order; with ``verify``,
+        every tensor's checksum checked. Raises CorruptCheckpointError."""
+        group = self.group(rank)
+        arrays = []
+        for entry, ds in zip(group.entries, group.datasets):
+            at = f"{group.file}:{ds.name}"
+            try:
+                raw = raw_bytes(ds[()])
+            except Exception as exc:
+                raise CorruptCheckpointError(at, f"unreadable data: {_why(exc)}", rank=rank,
+                                             step=self.step, level="pfs") from exc
+            if raw.nbytes != entry["nbytes"]:
+                raise CorruptCheckpointError(at, f"read {raw.nbytes} bytes, expected "
+                                             f"{entry['nbytes']}", rank=rank, step=self.step,
+                                             level="pfs")
+            if verify and (got := checksum(raw)) != entry["checksum"]:
+                raise CorruptCheckpointError(at, f"checksum mismatch (stored "
+                                             f"{entry['checksum']}, data has {got})",
+                                             rank=rank, step=self.step, level="pfs")
+            arrays.append(raw)
+        return group, arrays
+
+
+def read_rank(step_dir: Path, rank: int, *, step: int | None = None, verify: bool = True
+              ) -> tuple[dict[str, Any], list[dict[str, Any]], list[np.ndarray]]:
+    """Read ``/rank/<r>`` through the index: (group attrs, tensor entries, raw uint8 arrays)
+    in leaf order; metadata and data checksums verified. Raises CorruptCheckpointError
+    naming the file."""
+    with StepReader(step_dir, step) as reader:
+        group, arrays = reader.read(rank, verify=verify)
+    return group.attrs, group.entries, arrays
+
+
+def read_index_attrs(step_dir: Path, step: int | None = None) -> dict[str, Any]:
+    """Verified attributes of ``step_dir/ftkit.h5`` (CorruptCheckpointError when unreadable
+    or not trusted)."""
+    with StepReader(step_dir, step) as reader:
+        return reader.meta

@@ -3,17 +3,25 @@
 Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators right after
 ``s`` was committed; a new flush waits for the previous one — back-pressure of one):
 
+0. rank 0 creates ``step-<s>`` durably (fsync of the parent) and, when ``step-<s>`` already
+   holds a ``COMMITTED`` record (the step number is saved again after a restore fell back to
+   an older step), removes that record durably (unlink, fsync) *before* any node file is
+   rewritten; all ranks agree on it;
 1. every rank sends its node-local permanent shard to its node leader over MPI;
-2. each node leader writes ``step-<s>/node-<id>.h5`` (temp name, fsync, rename);
+2. each node leader writes ``step-<s>/node-<id>.h5`` (temp name, fsync, rename), verifying
+   every tensor's bytes against the shard's checksum as it copies them (a corrupt shard fails
+   the flush: corruption is never copied to the PFS);
 3. all ranks agree that every node file is durable;
-4. rank 0 writes the index ``ftkit.h5`` and then ``COMMITTED``.
+4. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
+   id and the node of every rank).
 
 A crash anywhere before 4 leaves a step without ``COMMITTED``, which restore ignores and
-``inspect`` shows as incomplete.
+``inspect`` shows as incomplete — never a mix of two timelines under one record.
 """
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +31,8 @@ from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
 from ftkit.errors import CheckpointError
 from ftkit.storage import hdf5
-from ftkit.storage.local import LocalLevel, make_private_dir
-from ftkit.storage.shard import Shard
+from ftkit.storage.local import LocalLevel
+from ftkit.storage.shard import Shard, fsync_dir
 from ftkit.storage.transfer import exchange, recv_buffer
 from ftkit.testing.faults import Faults
 
@@ -37,8 +45,9 @@ class PfsLevel:
     name = "pfs"
 
     def __init__(self, config: Config, topo: Topology, local: LocalLevel, dc: DistComm,
-                 faults: Faults) -> None:
+                 faults: Faults, *, run_id: str = "") -> None:
         self.config, self.topo, self.local, self.faults = config, topo, local, faults
+        self.run_id = run_id              # written as ``run`` in the index and COMMITTED
         self.dc = dc                      # world (a DistComm of the PFS level's own)
         self.node_dc = DistComm(topo.node_comm, dc.timeout)   # this node's ranks
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
@@ -50,6 +59,20 @@ class PfsLevel:
 
     def step_dir(self, step: int) -> Path:
         return self.config.job_pfs_dir / f"step-{step}"
+
+    def remove_all(self) -> list[int]:
+        """Rank 0: delete every PFS step of this job (an explicit fresh start; the event log
+        stays). Each step's COMMITTED record goes first, durably, so a crash midway leaves
+        incomplete steps only. Returns the steps removed. Local."""
+        root = self.config.job_pfs_dir
+        if not root.is_dir():
+            return []
+        steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit())
+        for step in steps:
+            hdf5.retract_commit(self.step_dir(step))
+            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        fsync_dir(root)
+        return steps
 
     def committed_steps(self) -> list[int]:
         """PFS steps with a COMMITTED record, newest first (local listing)."""
@@ -65,21 +88,43 @@ class PfsLevel:
         seconds; raises the same CheckpointError everywhere on failure."""
         t0 = time.monotonic()
         failure = None
-        try:
+        try:            # everything that can fail locally, before any rank sends a byte
             self.faults.fire("flush", step)
+            if self.topo.rank == 0:
+                self._prepare(step)
+            if not self.local.shard_path(step).is_file():
+                raise FileNotFoundError(f"{self.local.shard_path(step)} is missing")
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            failure = f"{type(exc).__name__}: {exc}"
+            log.error("rank %d: flush of step %d failed: %s", self.topo.rank, step, failure)
+        self._raise_if(self.dc.agree(failure, "flush", step), step)
+        failure = None
+        try:
             self._write_node_file(step)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - agreed below
             failure = f"{type(exc).__name__}: {exc}"
             log.error("rank %d: flush of step %d failed: %s", self.topo.rank, step, failure)
-        failures = self.dc.agree(failure, "flush", step)
-        if failures:
-            raise CheckpointError(step, failures, message=f"flush of step {step} to "
-                                  f"{self.step_dir(step)} failed; the step stays incomplete")
+        self._raise_if(self.dc.agree(failure, "flush", step), step)
         if self.topo.rank == 0:
             self._commit(step)
         return time.monotonic() - t0
+
+    def _raise_if(self, failures: dict[int, str], step: int) -> None:
+        if failures:
+            raise CheckpointError(step, failures, message=f"flush of step {step} to "
+                                  f"{self.step_dir(step)} (level pfs) failed; the step "
+                                  f"stays incomplete")
+
+    def _prepare(self, step: int) -> None:
+        """Rank 0: create the step directory durably; retract an old COMMITTED record of the
+        same step number before anything of the step is rewritten."""
+        hdf5.make_step_dir(self.step_dir(step))
+        if hdf5.retract_commit(self.step_dir(step)):
+            log.warning("PFS step %d is written again (an older timeline's step %d was "
+                        "committed there); its COMMITTED record was removed first",
+                        step, step)
 
     def _write_node_file(self, step: int) -> None:
         leader = 0
@@ -87,7 +132,6 @@ class PfsLevel:
         if self.topo.node_rank != leader:
             exchange(self.node_dc, [(path, leader)], [], "flush", step)
             return
-        make_private_dir(self.step_dir(step))
         shards = [Shard.open(path, rank=self.topo.rank, step=step)]
         for src in range(1, self.node_dc.size):
             buf = recv_buffer(self.node_dc, src, "flush", step)
@@ -110,11 +154,13 @@ class PfsLevel:
     def _commit(self, step: int) -> None:
         t = self.topo
         meta = {"job": self.config.job, "step": step, "world": t.world, "dp": t.dp,
-                "tp": t.tp, "pp": t.pp, "nodes": len(t.nodes), "ftkit": _version()}
+                "tp": t.tp, "pp": t.pp, "nodes": len(t.nodes), "ftkit": _version(),
+                "run": self.run_id}
         hdf5.write_index(self.step_dir(step), meta,
                          {r: f"node-{t.rank_node[r]}.h5" for r in range(t.world)})
         hdf5.write_commit(self.step_dir(step), {"step": step, "world": t.world,
-                                                "time": time.time()})
+                                                "time": time.time(), "run": self.run_id,
+                                                "nodes": [int(n) for n in t.rank_node]})
 
 
 def _version() -> str:

@@ -1,0 +1,459 @@
+"""The PFS level never trusts an unchecked byte (ftkit.storage.hdf5, pfs_restore, the CLI).
+
+Small checkpoints are written with ftkit's own shard and HDF5 writers, then damaged the way a
+bit flip, a buggy tool or a hand edit would: every attribute a reader uses is covered by
+``meta_checksum`` and cross-checked against the stored bytes; restore falls back on any
+failure; the flush refuses to copy a corrupt shard; DP resharding checks its assumption.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from ftkit.capture.flatten import flatten
+from ftkit.capture.rng import RNGState
+from ftkit.capture.staging import Stager
+from ftkit.cli.main import main
+from ftkit.errors import CheckpointError, CorruptCheckpointError
+from ftkit.storage import hdf5
+from ftkit.storage.shard import Shard, write_shard
+from ftkit.testing.faults import flip_byte
+
+
+def write_step(step_dir: Path, states: list[dict[str, Any]], *, tp: int = 1, pp: int = 1,
+               ranks_per_node: int = 2, step: int = 1, job: str = "synth") -> None:
+    """A committed PFS step written with ftkit's own shard and HDF5 writers."""
+    world = len(states)
+    dp = world // (tp * pp)
+    step_dir.mkdir(parents=True)
+    for rank, state in enumerate(states):
+        tree, leaves = flatten(state)
+        write_shard(step_dir / f".rank-{rank}.ftk",
+                    {"job": job, "step": step, "rank": rank, "world": world}, tree, leaves,
+                    Stager().capture(leaves))
+    nodes = math.ceil(world / ranks_per_node)
+    for node in range(nodes):
+        ranks = range(node * ranks_per_node, min(world, (node + 1) * ranks_per_node))
+        shards = [Shard.open(step_dir / f".rank-{r}.ftk") for r in ranks]
+        topo = {r: {"dp_idx": (r // tp) % dp, "tp_idx": r % tp, "pp_idx": r // (tp * dp),
+                    "node": node} for r in ranks}
+        hdf5.write_node_file(step_dir / f"node-{node}.h5", shards, topo)
+        for shard in shards:
+            shard.close()
+    for p in step_dir.glob(".rank-*.ftk"):
+        p.unlink()
+    hdf5.write_index(step_dir, {"job": job, "step": step, "world": world, "dp": dp,
+                                "tp": tp, "pp": pp, "nodes": nodes, "ftkit": "test"},
+                     {r: f"node-{r // ranks_per_node}.h5" for r in range(world)})
+    hdf5.write_commit(step_dir, {"step": step, "world": world})
+
+
+def _state(rank: int, pos: int = 1234) -> dict[str, Any]:
+    return {"model": {"a": np.arange(6, dtype=np.float32).reshape(2, 3) + rank,
+                      "b": np.full((2, 3), 7.0 + rank, dtype=np.float32),
+                      "n": np.arange(4, dtype=np.int32)},
+            "data": {"pos": pos, "epoch": 0}}
+
+
+@pytest.fixture
+def step_dir(tmp_path: Path) -> Path:
+    """``job/step-1``: 2 ranks on one node (node-0.h5)."""
+    d = tmp_path / "job" / "step-1"
+    write_step(d, [_state(0), _state(1)])
+    return d
+
+
+def _edit(path: Path, fn: Callable[[Any], None]) -> None:
+    with h5py.File(path, "r+") as h5:
+        fn(h5)
+
+
+def _swap(h5: Any, a: str, b: str, attr: str) -> None:
+    x, y = h5[a].attrs[attr], h5[b].attrs[attr]
+    h5[a].attrs[attr], h5[b].attrs[attr] = y, x
+
+
+def _tree_pos(h5: Any) -> None:
+    grp = h5["rank/0"]
+    grp.attrs["tree"] = grp.attrs["tree"].replace("1234", "9999")
+
+
+def _relink(h5: Any) -> None:
+    del h5["rank/0"]
+    h5["rank/0"] = h5py.ExternalLink("node-0.h5", "/rank/1")
+
+
+def _add_dataset(h5: Any) -> None:
+    h5["rank/0/model/extra"] = np.zeros(3)
+
+
+# (file, edit, reader-visible effect on today's code)
+TAMPER = {
+    "tree pos 1234->9999": ("node-0.h5", _tree_pos),
+    "ftkit_path swapped": ("node-0.h5",
+                           lambda h5: _swap(h5, "rank/0/model/a", "rank/0/model/b", "ftkit_path")),
+    "ftkit_index swapped": ("node-0.h5",
+                            lambda h5: _swap(h5, "rank/0/model/a", "rank/0/model/b",
+                                             "ftkit_index")),
+    "ftkit_dtype <f4->float32 torch": ("node-0.h5", lambda h5: h5["rank/0/model/a"].attrs.update(
+        {"ftkit_kind": "torch", "ftkit_dtype": "float32"})),
+    "ftkit_shape [2,3]->[3,2]": ("node-0.h5",
+                                 lambda h5: h5["rank/0/model/a"].attrs.update(
+                                     {"ftkit_shape": [3, 2]})),
+    "group step": ("node-0.h5", lambda h5: h5["rank/0"].attrs.update({"step": 2})),
+    "topology": ("node-0.h5", lambda h5: h5["rank/0"].attrs.update(
+        {"topology": json.dumps({"dp_idx": 1, "tp_idx": 0, "pp_idx": 0, "node": 0})})),
+    "extra dataset": ("node-0.h5", _add_dataset),
+    "index world": ("ftkit.h5", lambda h5: h5.attrs.update({"dp": 1, "tp": 2})),
+    "index link retargeted": ("ftkit.h5", _relink),
+}
+
+
+@pytest.mark.parametrize("case", list(TAMPER))
+def test_tampered_metadata_is_refused_everywhere(step_dir: Path, tmp_path: Path, case: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: read_rank returned the tampered values (the tree with pos 9999, swapped paths,
+    reinterpreted dtypes/shapes, another rank's group), verify said ok, export wrote them."""
+    name, edit = TAMPER[case]
+    _edit(step_dir / name, edit)
+    with pytest.raises(CorruptCheckpointError, match="metadata checksum mismatch") as err:
+        hdf5.read_rank(step_dir, 0)
+    assert str(step_dir / name) in str(err.value)
+    rc = main(["verify", str(step_dir.parent), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 1 and doc["ok"] is False
+    (bad,) = doc["steps"][0]["bad"]
+    assert bad["where"].startswith(str(step_dir / name)) and "metadata checksum" in bad["why"]
+    if name == "node-0.h5":
+        assert bad["where"] == f"{step_dir / name}:/rank/0" and "rank 0, step 1" in bad["why"]
+    pytest.importorskip("torch")
+    out = tmp_path / "x.pt"
+    assert main(["export", str(step_dir), "--out", str(out)]) == 1
+    assert "metadata checksum mismatch" in capsys.readouterr().err and not out.exists()
+
+
+def test_intact_step_reads_back_bit_exact(step_dir: Path) -> None:
+    attrs, entries, arrays = hdf5.read_rank(step_dir, 1, step=1)
+    assert json.loads(attrs["tree"])["items"][1][0] == "data"
+    assert [e["path"] for e in entries] == ["model/a", "model/b", "model/n"]
+    assert arrays[0].view(np.float32).tolist() == (np.arange(6) + 1.0).tolist()
+    assert hdf5.read_index_attrs(step_dir, 1)["world"] == 2
+
+
+def test_inconsistent_but_sealed_attributes_are_cross_checked(step_dir: Path) -> None:
+    """A writer bug (attributes resealed): nbytes and the stored dtype/shape must agree with
+    ftkit_shape and ftkit_dtype, and the tree with the datasets."""
+    def shape(h5: Any) -> None:
+        h5["rank/0/model/a"].attrs["ftkit_shape"] = [4]
+        hdf5.seal(h5["rank/0"])
+    _edit(step_dir / "node-0.h5", shape)
+    with pytest.raises(CorruptCheckpointError, match=r"model/a.*stored as <f4 \(2, 3\)"):
+        hdf5.read_rank(step_dir, 0, step=1)
+
+    def drop(h5: Any) -> None:
+        del h5["rank/1/model/b"]
+        hdf5.seal(h5["rank/1"])
+    _edit(step_dir / "node-0.h5", drop)
+    with pytest.raises(CorruptCheckpointError, match=r"tree has 3 tensors but it holds 2 "
+                                                     r"datasets \(missing ftkit_index \[1\]\)"):
+        hdf5.read_rank(step_dir, 1, step=1)
+
+
+def test_itemsize_without_torch() -> None:
+    assert [hdf5.itemsize("torch", d) for d in ("bfloat16", "float8_e4m3fn", "int64", "bool",
+                                                 "complex32", "uint16")] == [2, 1, 8, 1, 4, 2]
+    assert hdf5.itemsize("numpy", "<c16") == 16
+    with pytest.raises(ValueError, match="unknown"):
+        hdf5.itemsize("torch", "qint-nope")
+
+
+def test_files_without_meta_checksum_are_refused(step_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Format ftkit-hdf5-1 had no metadata checksums: refused with a clear message."""
+    for name in ("ftkit.h5", "node-0.h5"):
+        def legacy(h5: Any) -> None:
+            h5.attrs["format"] = "ftkit-hdf5-1"
+            del h5.attrs[hdf5.META]
+        _edit(step_dir / name, legacy)
+    with pytest.raises(CorruptCheckpointError, match="carries no metadata checksums"):
+        hdf5.read_rank(step_dir, 0, step=1)
+    assert main(["verify", str(step_dir)]) == 1
+    assert "'ftkit-hdf5-1' carries no metadata checksums" in capsys.readouterr().out
+
+
+def test_flush_writer_refuses_a_corrupt_shard(tmp_path: Path) -> None:
+    """Before: the node file was written with the shard's old checksum attribute over the
+    flipped bytes (corruption copied to the PFS)."""
+    tree, leaves = flatten(_state(0))
+    path = tmp_path / "rank-0.ftk"
+    write_shard(path, {"job": "j", "step": 3, "rank": 0, "world": 1}, tree, leaves,
+                Stager().capture(leaves))
+    with Shard.open(path) as shard:
+        offset = shard.tensors[1]["offset"]
+    flip_byte(path, offset + 2)
+    node_file = tmp_path / "node-0.h5"
+    with Shard.open(path, rank=0, step=3) as shard, \
+            pytest.raises(CorruptCheckpointError, match=r"'model/b' does not match its checksum"
+                                                         r".*not copied to the PFS") as err:
+        hdf5.write_node_file(node_file, [shard], {0: {}})
+    assert "rank 0" in str(err.value) and "step 3" in str(err.value)
+    assert not node_file.exists() and not list(tmp_path.glob(".node-0.h5*"))
+
+
+# ----------------------------------------------------------------------------- durability
+
+def test_index_is_fsynced_before_rename_and_commit_retracted_durably(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ftkit.h5 was renamed without an fsync of the file; step directories were
+    created without an fsync of their parent; nothing removed an old COMMITTED record."""
+    log: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (log.append(
+        ("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (log.append(
+        ("replace", f"{a}->{b}")), real_replace(a, b))[1])
+    step_dir = tmp_path / "job" / "step-4"
+    hdf5.make_step_dir(step_dir)
+    assert ("fsync", str(tmp_path)) in log and ("fsync", str(tmp_path / "job")) in log
+    log.clear()
+    hdf5.write_index(step_dir, {"step": 4}, {0: "node-0.h5"})
+    tmp = str(step_dir / f".{hdf5.INDEX}.tmp")
+    assert log == [("fsync", tmp), ("replace", f"{tmp}->{step_dir / hdf5.INDEX}"),
+                   ("fsync", str(step_dir))]
+    hdf5.write_commit(step_dir, {"step": 4})
+    log.clear()
+    assert hdf5.retract_commit(step_dir) is True
+    assert not (step_dir / "COMMITTED").exists() and log == [("fsync", str(step_dir))]
+    assert hdf5.retract_commit(step_dir) is False
+
+
+# ----------------------------------------------------------------------------- restore
+
+class _OneRank:
+    """DistComm of a one-rank world (no MPI communication)."""
+
+    rank, size = 0, 1
+
+    def bcast(self, obj: Any, phase: str, step: int | None = None, root: int = 0) -> Any:
+        return json.loads(json.dumps(obj))
+
+    def agree(self, failure: str | None, phase: str, step: int) -> dict[int, str]:
+        return {0: failure} if failure is not None else {}
+
+    def run(self, fn: Callable[[], Any], phase: str, step: int) -> Any:
+        return fn()
+
+
+def _topo(world: int, rank: int = 0, dp_idx: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(world=world, rank=rank, tp=1, pp=1,
+                           coords=SimpleNamespace(dp=dp_idx, tp=0, pp=0))
+
+
+class _Pfs:
+    def __init__(self, job: Path, world: int) -> None:
+        self.job, self.topo = job, _topo(world)
+
+    def step_dir(self, step: int) -> Path:
+        return self.job / f"step-{step}"
+
+    def committed_steps(self) -> list[int]:
+        return sorted((int(p.name[5:]) for p in self.job.glob("step-*")
+                       if (p / "COMMITTED").is_file()), reverse=True)
+
+
+def _deep_tree(h5: Any) -> None:
+    h5["rank/0"].attrs["tree"] = "[" * 200_000 + "]" * 200_000
+    hdf5.seal(h5["rank/0"])
+
+
+def _bad_leaf_index(h5: Any) -> None:
+    h5["rank/0"].attrs["tree"] = h5["rank/0"].attrs["tree"].replace('"i": 2', '"i": 7')
+    hdf5.seal(h5["rank/0"])
+
+
+@pytest.mark.parametrize("damage", ["tree pos (unsealed)", "RecursionError (sealed)",
+                                    "IndexError (sealed)", "data byte"])
+def test_restore_falls_back_on_any_failure(tmp_path: Path, damage: str) -> None:
+    """Step 2 is damaged; restore must skip it (restore-skip event, one-line reason) and load
+    step 1. Before: the tampered tree was loaded (pos 9999), and RecursionError/IndexError
+    escaped restore_from_pfs, aborting every relaunch."""
+    from ftkit.recovery import pfs_restore
+    job = tmp_path / "job"
+    write_step(job / "step-1", [_state(0, pos=1000)], step=1, ranks_per_node=1)
+    write_step(job / "step-2", [_state(0, pos=1234)], step=2, ranks_per_node=1)
+    node2 = job / "step-2" / "node-0.h5"
+    if damage == "data byte":
+        with h5py.File(node2, "r") as h5:
+            offset = h5["rank/0/model/a"].id.get_offset()
+        flip_byte(node2, offset + 1)
+    else:
+        _edit(node2, {"tree pos (unsealed)": _tree_pos, "RecursionError (sealed)": _deep_tree,
+                      "IndexError (sealed)": _bad_leaf_index}[damage])
+    events: list[tuple[str, dict[str, Any]]] = []
+    state: dict[str, Any] = _state(0, pos=0)
+    got = pfs_restore.restore_from_pfs(_OneRank(), _Pfs(job, 1), state,  # type: ignore[arg-type]
+                                       lambda ev, **kw: events.append((ev, kw)))
+    assert got == 1 and state["data"]["pos"] == 1000
+    (skip,) = [kw for ev, kw in events if ev == "restore-skip"]
+    assert skip["step"] == 2 and skip["level"] == "pfs" and "\n" not in skip["reason"]
+    assert str(node2) in skip["reason"] or "Error" in skip["reason"], skip
+
+
+def test_dp_resharding_refuses_replicas_that_differ(tmp_path: Path) -> None:
+    """A dp=4 step restored on 2 ranks: replicas with equal tensors (RNG state aside) reshard;
+    a replica with other optimizer state is refused. Before: rank 0's replica was loaded."""
+    from ftkit.recovery import pfs_restore
+
+    def states(odd: int | None) -> list[dict[str, Any]]:
+        out = []
+        for rank in range(4):
+            np.random.seed(rank)                     # RNG state differs: allowed
+            st = _state(0)
+            st["rng"] = RNGState()
+            if rank == odd:
+                st["model"]["b"] = st["model"]["b"] + 1
+            out.append(st)
+        return out
+    write_step(tmp_path / "same" / "step-1", states(None))
+    assert pfs_restore.source_rank(tmp_path / "same" / "step-1", _topo(2, 1, 1)) == 1
+    write_step(tmp_path / "odd" / "step-1", states(2))
+    with pytest.raises(CheckpointError, match=r"DP replicas differ at tensor 'model/b' "
+                                              r"\(rank 0 vs 2\): sharded optimizer state "
+                                              r"cannot be resharded by DP"):
+        pfs_restore.source_rank(tmp_path / "odd" / "step-1", _topo(2, 1, 1))
+    assert pfs_restore.source_rank(tmp_path / "odd" / "step-1", _topo(4, 2, 2)) == 2
+
+
+# ----------------------------------------------------------------------------- byte flips
+
+_READER = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from ftkit.errors import CorruptCheckpointError
+    from ftkit.storage import hdf5
+
+    def read(step_dir):
+        with hdf5.StepReader(step_dir, 1) as reader:
+            group, arrays = reader.read(0)
+            return repr((group.attrs, group.entries, [a.tobytes() for a in arrays]))
+
+    step_dir = Path(sys.argv[1])
+    want = read(step_dir)
+    print(json.dumps(["ready"]), flush=True)
+    for line in sys.stdin:
+        name, pos = json.loads(line)
+        with open(step_dir / name, "r+b") as fh:
+            fh.seek(pos)
+            old = fh.read(1)[0]
+            fh.seek(pos)
+            fh.write(bytes([old ^ 0xFF]))
+        try:
+            res = "same" if read(step_dir) == want else "DIFFERENT"
+        except CorruptCheckpointError:
+            res = "detected"
+        except Exception as exc:
+            res = "error:" + type(exc).__name__ + ": " + str(exc)[:200]
+        with open(step_dir / name, "r+b") as fh:
+            fh.seek(pos)
+            fh.write(bytes([old]))
+        print(json.dumps([name, pos, res]), flush=True)
+""")
+
+
+def _metadata_bytes(path: Path) -> list[int]:
+    """Offsets of ``path`` outside every dataset's raw data."""
+    with h5py.File(path, "r") as h5:
+        ranges = [(ds.id.get_offset(), ds.id.get_storage_size())
+                  for ds in hdf5.datasets(h5) if ds.id.get_offset() is not None]
+    inside = np.zeros(path.stat().st_size, dtype=bool)
+    for off, n in ranges:
+        inside[off:off + n] = True
+    return [int(i) for i in np.flatnonzero(~inside)]
+
+
+def _flip_all(step_dir: Path, flips: list[tuple[str, int]], per_flip_s: float = 10.0
+              ) -> tuple[dict[str, int], list[Any]]:
+    """Run the flips one by one in a child process (restarted after a flip made it hang or
+    die; that flip is counted as ``hang``/``crash`` and its file restored). Returns (counts
+    by outcome, the flips that went wrong)."""
+    import selectors
+    counts: dict[str, int] = {}
+    bad: list[Any] = []
+    originals = {name: (step_dir / name).read_bytes() for name, _ in flips}
+    todo = list(reversed(flips))
+    while todo:
+        proc = subprocess.Popen([sys.executable, "-c", _READER, str(step_dir)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parents[2])
+        assert proc.stdin is not None and proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(60) and json.loads(proc.stdout.readline()) == ["ready"]
+        while todo:
+            name, pos = todo[-1]
+            try:
+                proc.stdin.write(json.dumps([name, pos]) + "\n")
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            line = proc.stdout.readline() if sel.select(per_flip_s) else ""
+            if not line:                       # the flip made the child hang or die
+                kind = "hang" if proc.poll() is None else "crash"
+                proc.kill()
+                proc.wait()
+                counts[kind] = counts.get(kind, 0) + 1
+                bad.append((name, pos, kind)) if kind == "crash" else None
+                (step_dir / name).write_bytes(originals[name])
+                todo.pop()
+                break
+            got_name, got_pos, res = json.loads(line)
+            assert (got_name, got_pos) == (name, pos)
+            todo.pop()
+            kind = res.split(":")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind in ("DIFFERENT", "error"):
+                bad.append((name, pos, res))
+        sel.close()
+        if proc.poll() is None:
+            proc.stdin.close()
+            proc.wait()
+    return counts, bad
+
+
+@pytest.mark.timeout(600)
+def test_every_metadata_byte_flip_is_detected_or_harmless(tmp_path: Path) -> None:
+    """Flip the bytes of ftkit.h5 and of the node file outside the tensors' raw data, one at
+    a time: the reader must raise CorruptCheckpointError or return bit-identical results,
+    never a silently different one or another exception. Every ``FLIP_STRIDE``-th byte
+    (default 3, about 40 s here; ``FLIP_STRIDE=1``: every byte, a few minutes).
+
+    Reads run in a child process: a flip that makes HDF5 hang (10 s) or crash is counted and
+    printed, not failed. Measured with h5py 3.16 / libhdf5 2.0.0, FLIP_STRIDE=1: 17024 flips,
+    2695 detected, 14305 harmless, 0 different, 15 hang and 9 segfault the library."""
+    stride = int(os.environ.get("FLIP_STRIDE", "3"))
+    step_dir = tmp_path / "job" / "step-1"
+    write_step(step_dir, [{"w": np.arange(3, dtype=np.float32), "data": {"pos": 1234}}],
+               ranks_per_node=1)
+    flips = [(name, pos) for name in ("ftkit.h5", "node-0.h5")
+             for pos in _metadata_bytes(step_dir / name)[::stride]]
+    t0 = time.monotonic()
+    counts, bad = _flip_all(step_dir, flips)
+    print(f"metadata byte flips: {len(flips)} in {time.monotonic() - t0:.0f} s: {counts}; "
+          f"crashes: {[b for b in bad if b[2] == 'crash']}")
+    assert sum(counts.values()) == len(flips)
+    assert counts.get("detected", 0) > len(flips) // 20
+    wrong = [b for b in bad if b[2] != "crash"]
+    assert not wrong, wrong[:20]
