@@ -9,16 +9,15 @@ one-line reason (logged, ``restore-skip`` event); restore then tries the next ol
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ftkit.capture.apply import load_into
 from ftkit.capture.flatten import TensorLeaf, leaf_from_bytes, unflatten
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CheckpointError, CorruptCheckpointError, FtkitError
+from ftkit.recovery.restore import apply_agreed
 from ftkit.storage import hdf5
 from ftkit.storage.pfs import PfsLevel
 
@@ -150,7 +149,7 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
             emit("restore-skip", step=step, level="pfs", failures=failures,
                  reason=reason if len(reason) <= 1000 else reason[:997] + "...")
             continue
-        dc.run(functools.partial(load_into, state, loaded, step), "restore-load", step)
+        apply_agreed(dc, state, loaded, step)
         if dc.rank == 0:
             log.warning("restore: node-local levels hold no usable step newer than %d; "
                         "restored step %d from the PFS level (%s)", newer_than, step,
