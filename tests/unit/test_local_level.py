@@ -350,3 +350,24 @@ def test_write_record_is_atomic_json(tmp_path: Path) -> None:
     assert json.loads(path.read_text()) == {"a": 2}
     assert _mode(path) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["REC"]
+
+
+def test_commit_record_that_fails_after_its_rename_does_not_survive(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory fsync after the rename fails: the decision is not durable, the
+    coordinator aborts the step, so no COMMITTED record may be left behind."""
+    level = _level(root)
+    _write(level, 1)
+    calls = []
+
+    def failing_dir_sync(path: Path) -> None:
+        calls.append(path)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr("ftkit.storage.shard.fsync_dir", failing_dir_sync)
+    with pytest.raises(OSError):
+        level.record_commit(1, {"step": 1, "world": WORLD})
+    monkeypatch.undo()
+    assert calls, "the record was never renamed into place"
+    assert not level.is_committed(1)
+    assert _leftovers(root / "step-1") == ["rank-0.ftk"]
