@@ -102,3 +102,24 @@ def test_newer_pfs_step_wins_over_older_local_step(
     assert res.starts[0]["step"] == 6
     assert "restored step 6 from the PFS level" in res.stderr, res.tail()
     assert res.done["digest"] == reference_digest(4, 8)
+
+
+@pytest.mark.timeout(900)
+def test_reshard_in_place_keeps_local_retention(tmp_path: Path) -> None:
+    """Saved on 4 ranks (local steps 6 and 7, PFS step 6), continued on 2 ranks in the same
+    directories: restore reshards PFS step 6; the old world's newer local step 7 is parked,
+    not deleted, until the new world commits step 7; afterwards retention works as usual
+    (only the newest versions stay, nothing of the old world is left)."""
+    saved = run_toy(tmp_path, steps=7, max_restarts=0, FTKIT_LEVELS=LEVELS)
+    assert saved.rc == 0, saved.tail()
+    res = run_toy(tmp_path, n=2, ranks_per_node=1, steps=10, max_restarts=0,
+                  FTKIT_LEVELS=LEVELS)
+    assert res.rc == 0, res.tail()
+    assert res.starts[0]["step"] == 6
+    assert "parked as parked-step-7" in res.stderr, res.tail()
+    for node in ("node-0", "node-1"):
+        left = sorted(p.name for p in (res.local / node).iterdir())
+        assert left == ["step-10", "step-9"], (node, left)
+        for step_dir in (res.local / node).iterdir():
+            record = (step_dir / "COMMITTED").read_text()
+            assert '"world": 2' in record, (step_dir, record)
