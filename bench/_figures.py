@@ -2,7 +2,7 @@
 
 A figure is ``{"value", "unit", "to", "ratio", "goal", "op", "met"}``: ``ratio`` is value /
 (the value named by ``to``); ``goal`` with ``op`` ``">="`` or ``"<="`` says what the design
-asks of the ratio (DESIGN §8); ``met`` is None when no goal applies.
+asks of the ratio (README.md, Performance); ``met`` is None when no goal applies.
 """
 from __future__ import annotations
 

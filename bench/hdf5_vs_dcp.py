@@ -23,7 +23,7 @@ Measured, best of --repeat, all ranks between two barriers, files on the same fi
   live tensors, one file per rank.
 
 The page cache cannot be dropped here: loads may be served from it, for every method alike.
-Throughput is bytes of state summed over all ranks / seconds. Goal (DESIGN §8): HDF5 save and
+Throughput is bytes of state summed over all ranks / seconds. Goal (README.md, Performance): HDF5 save and
 load >= 1.5x DCP. Prints ``name: value (ratio to X = r)`` lines, writes hdf5_vs_dcp.json.
 """
 from __future__ import annotations

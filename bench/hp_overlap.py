@@ -7,7 +7,7 @@ plus the time the training loop was actually blocked.
 
 Every configuration is a real ``ftkit run`` of ``examples/hp_gpt.py`` (one virtual node per
 rank, node-local level on /dev/shm, PFS level in a temporary directory). Prints
-``name: value (ratio to X = r)`` lines and writes ``hp_overlap.json``. Goal (DESIGN §8):
+``name: value (ratio to X = r)`` lines and writes ``hp_overlap.json``. Goal (README.md, Performance):
 blocking <= 1 % of an iteration with ``local:1,partner:1``.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Relaunches itself under the venv's mpiexec (one virtual node per rank, so every exchange
 crosses "nodes"). Each rank's shard is a real .ftk-sized file in a private tmpfs directory.
 Prints ``name: value (ratio to X = r)`` lines and writes redundancy.json, including
-``level_costs_s`` for ``ftkit advise --measured``. Goal (DESIGN §8): partner/XOR >= 0.7x p2p.
+``level_costs_s`` for ``ftkit advise --measured``. Goal (README.md, Performance): partner/XOR >= 0.7x p2p.
 """
 from __future__ import annotations
 

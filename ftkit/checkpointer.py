@@ -1,4 +1,4 @@
-"""The public entry point: :class:`Checkpointer` (DESIGN §2).
+"""The public entry point: :class:`Checkpointer` (README.md, "Using it").
 
 ``save`` captures the state (phase ``capture``) and, with ``FTKIT_ASYNC=1``, returns at
 once: parameters and optimizer state are staged to host memory by a worker thread (GPU: a

@@ -60,7 +60,7 @@ def parse_levels(text: str) -> tuple[tuple[str, int], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Immutable ftkit settings; see DESIGN §3 for the meaning of every field."""
+    """Immutable ftkit settings; see the Configuration section of README.md for the meaning of every field."""
 
     job: str = "local"
     local_dir: str = ""

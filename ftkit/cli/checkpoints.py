@@ -1,4 +1,4 @@
-"""``ftkit inspect`` / ``verify`` / ``export``: the PFS level's HDF5 checkpoints (DESIGN §5, §7).
+"""``ftkit inspect`` / ``verify`` / ``export``: the PFS level's HDF5 checkpoints (docs/formats.md).
 
 They run on a login node: importing this module imports neither mpi4py, torch nor h5py (h5py
 on first use, torch only inside ``export``).

@@ -1,4 +1,4 @@
-"""``ftkit`` command line (DESIGN §7). Only this module configures logging.
+"""``ftkit`` command line (README.md; `ftkit --help`). Only this module configures logging.
 
 Subcommands: ``run``, ``clean``, ``advise``, ``inspect``, ``verify``, ``export``. Importing this
 module imports neither mpi4py nor torch. Exit status 2 means a usage, configuration or
@@ -307,7 +307,7 @@ class _Layout:
         return _Layout(f"{self.dirs}|{other.dirs}", files, None)
 
 
-#: $FTKIT_PFS_DIR/<job> and $FTKIT_LOCAL_DIR/<job> (DESIGN: on-disk layouts); ``.<name>.tmp``
+#: $FTKIT_PFS_DIR/<job> and $FTKIT_LOCAL_DIR/<job> (docs/formats.md); ``.<name>.tmp``
 #: files are ftkit's atomic writes cut short.
 _TMP = r"\..+\.tmp(-\d+)?"
 _PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal",

@@ -1,4 +1,4 @@
-"""One coordinated checkpoint: write-local, encode, vote, decide, commit (DESIGN §4).
+"""One coordinated checkpoint: write-local, encode, vote, decide, commit (docs/protocol.md).
 
 Every rank runs :meth:`TwoPhase.run` for the same step, in the same order (it is a collective
 over ``dc``). A failure on any rank before the vote makes that rank vote *no*; the
@@ -220,12 +220,12 @@ def commit_record(step: int, world: int, levels: Sequence[str], **extra: Any
 def raise_if_failed(out: Outcome) -> None:
     """Raise the same CheckpointError on every rank if ``out`` reports failures (of its own
     step, or of PFS flushes reported in it)."""
+    flush = "; ".join(f"step {s}: {why}" for s, why in sorted(out.flush_failures.items()))
     if out.failures:
         state = "committed, but" if out.committed else "aborted;"
-        raise CheckpointError(out.step, out.failures,
-                              message=f"checkpoint of step {out.step} {state} failures")
+        raise CheckpointError(out.step, out.failures, message=(
+            f"checkpoint of step {out.step} {state} failures"
+            + (f" (and a PFS flush failed: {flush})" if flush else "")))
     if out.flush_failures:
-        step = min(out.flush_failures)
-        raise CheckpointError(step, {}, message=(
-            f"PFS flush failed (the node-local levels hold step {out.step}): " + "; ".join(
-                f"step {s}: {why}" for s, why in sorted(out.flush_failures.items()))))
+        raise CheckpointError(min(out.flush_failures), {}, message=(
+            f"PFS flush failed (the node-local levels hold step {out.step}): {flush}"))

@@ -1,4 +1,4 @@
-"""Restore the newest step that is committed and recoverable on every rank (DESIGN §4).
+"""Restore the newest step that is committed and recoverable on every rank (docs/protocol.md).
 
 Phases: ``restore-discover`` (ranks exchange inventories over MPI; for each committed step,
 newest first, every rank verifies what it holds and a :mod:`plan <ftkit.recovery.plan>` says

@@ -1,4 +1,4 @@
-"""The self-describing HDF5 layout of the parallel-file-system level (DESIGN §5).
+"""The self-describing HDF5 layout of the parallel-file-system level (docs/formats.md).
 
 ``step-<s>/node-<id>.h5`` holds ``/rank/<r>/<state path>`` datasets of the ranks of one node;
 ``step-<s>/ftkit.h5`` is the index: job attributes and external links ``/rank/<r>`` into the

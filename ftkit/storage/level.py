@@ -3,7 +3,7 @@
 A level is a *scheme* (how redundancy is made) over a *store* (where bytes go) for a
 *failure group* (what loss it survives), used every *interval* steps (SCR's descriptor).
 
-Call order during one checkpoint of step ``s`` (DESIGN §4); every level due at ``s`` gets::
+Call order during one checkpoint of step ``s`` (docs/protocol.md); every level due at ``s`` gets::
 
     write_tentative(s, ...)   every rank, local           (phase write-local)
     encode(s)                 every rank, collective      (phase encode; redundancy levels)

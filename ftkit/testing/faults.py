@@ -1,4 +1,4 @@
-"""Fault injection driven by ``FTKIT_FAULTS`` (DESIGN §6).
+"""Fault injection driven by ``FTKIT_FAULTS`` (docs/protocol.md).
 
 ``FTKIT_FAULTS="kind:key=val:key=val;kind:..."``. Protocol code calls :meth:`Faults.fire`
 at the start of every phase, :meth:`Faults.after_write` right after a file is written and

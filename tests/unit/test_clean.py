@@ -1,6 +1,6 @@
 """``ftkit clean JOB``: delete one job's checkpoint data on this host, and nothing else.
 
-The directory trees are built as DESIGN §5 lays them out (a real job's tree is cleaned in
+The directory trees are built as docs/formats.md lays them out (a real job's tree is cleaned in
 tests/e2e/test_no_retry.py).
 """
 from __future__ import annotations

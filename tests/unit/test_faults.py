@@ -1,4 +1,4 @@
-"""ftkit.testing.faults: FTKIT_FAULTS parsing (DESIGN §6) and injection."""
+"""ftkit.testing.faults: FTKIT_FAULTS parsing (docs/protocol.md) and injection."""
 from __future__ import annotations
 
 import os
@@ -15,12 +15,12 @@ from ftkit.errors import ConfigError, InjectedFault
 from ftkit.testing import faults as faults_mod
 from ftkit.testing.faults import Fault, Faults, flip_byte, parse_faults
 
-DESIGN_EXAMPLE = "kill:rank=3:step=7:phase=encode;corrupt:rank=1:step=9:level=local"
+SPEC_EXAMPLE = "kill:rank=3:step=7:phase=encode;corrupt:rank=1:step=9:level=local"
 
 
 # ------------------------------------------------------------------ parsing
 def test_parse_design_example() -> None:
-    kill, corrupt = parse_faults(DESIGN_EXAMPLE)
+    kill, corrupt = parse_faults(SPEC_EXAMPLE)
     assert kill == Fault(kind="kill", rank=3, step=7, phase="encode")
     assert corrupt == Fault(kind="corrupt", rank=1, step=9, level="local")
     assert kill.attempt == 0 and kill.code == 1
@@ -208,13 +208,13 @@ def test_exit_with_code() -> None:
 
 
 def test_kill_sigkills_itself() -> None:
-    proc = _run_fault(DESIGN_EXAMPLE)
+    proc = _run_fault(SPEC_EXAMPLE)
     assert proc.returncode == -signal.SIGKILL
     assert "survived" not in proc.stdout
 
 
 def test_kill_not_on_relaunch_attempt() -> None:
-    proc = _run_fault(DESIGN_EXAMPLE, attempt=1)
+    proc = _run_fault(SPEC_EXAMPLE, attempt=1)
     assert proc.returncode == 0
     assert "survived" in proc.stdout
 

@@ -253,6 +253,9 @@ class _OneRank:
     def agree(self, failure: str | None, phase: str, step: int) -> dict[int, str]:
         return {0: failure} if failure is not None else {}
 
+    def allgather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
+        return [json.loads(json.dumps(obj))]
+
     def run(self, fn: Callable[[], Any], phase: str, step: int) -> Any:
         return fn()
 
