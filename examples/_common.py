@@ -1,14 +1,12 @@
 """Helpers shared by the example training scripts (not part of the ftkit package)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
@@ -25,19 +23,6 @@ def init_torch_distributed(comm: MPI.Comm, timeout_s: float = 300.0) -> None:
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size,
                             timeout=timedelta(seconds=timeout_s))
-
-
-def params_digest(comm: MPI.Comm, module: torch.nn.Module) -> str:
-    """sha256 over every rank's parameters, in rank order (collective; result on rank 0)."""
-    mine = b"".join(p.detach().contiguous().view(torch.uint8).numpy().tobytes()
-                    for p in module.parameters())
-    parts = comm.gather(mine, root=0)
-    if comm.rank != 0:
-        return ""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part)
-    return h.hexdigest()
 
 
 def emit(comm: MPI.Comm, **record: Any) -> None:

@@ -16,7 +16,10 @@ from the same model, sees the same data and computes the same losses (up to floa
 order). With ftkit checkpoints (model, Adam, RNGs, loader position) a killed and relaunched
 run ends bit-identical to a failure-free one of the same layout.
 Output (rank 0): JSON lines ``start``, one ``step`` per step, then
-``{"event": "done", "step": S, "loss": L, "digest": "<sha256 of all ranks' parameters>"}``.
+``{"event": "done", "step": S, "loss": L, "digest": D, "digest_parts": {...}, "timing": ...}``
+where D is a sha256 over every rank's whole checkpointed state (parameters, Adam state, every
+RNG, loader position; see ``_digest.py``; Python's and NumPy's global generators are seeded
+per rank so it is reproducible) and ``digest_parts`` the same per part.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import random
 import sys
 import time
 from typing import Any
@@ -37,7 +41,8 @@ from mpi4py import MPI
 from torch import Tensor, nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, init_torch_distributed, params_digest
+from _common import emit, init_torch_distributed
+from _digest import state_digest
 
 import ftkit
 
@@ -397,6 +402,8 @@ def main() -> None:
     args = parse_args(comm.size)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
+    random.seed(args.seed * 1000 + comm.rank + 1)     # covered by the digest: reproducible
+    np.random.seed(args.seed * 1000 + comm.rank + 1)
     device = pick_device(args.device, comm)
     topo = ftkit.Topology.create(comm, tp=args.tp, pp=args.pp)
     init_torch_distributed(comm)       # gloo world group; nccl subgroups on top for cuda
@@ -421,8 +428,8 @@ def main() -> None:
         ckpt.save(step + 1, state)
         iters.append(time.perf_counter() - t0)
     ckpt.close()
-    digest = params_digest(comm, model.cpu())
-    emit(comm, event="done", step=args.steps, loss=loss, digest=digest,
+    digest, parts = state_digest(comm, state)
+    emit(comm, event="done", step=args.steps, loss=loss, digest=digest, digest_parts=parts,
          timing=timing(comm, iters, ckpt.blocked_seconds, tensor_bytes(model, opt)))
     dist.destroy_process_group()
 

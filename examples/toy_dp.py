@@ -6,13 +6,18 @@ Gradients are all-reduced with torch.distributed (gloo) initialised from the MPI
 Each step's global batch comes from a seeded, resumable loader whose position, the model,
 the Adam state and every RNG (dropout uses torch's generator) are checkpointed, so a run
 that is killed and relaunched ends bit-identical to a failure-free one.
-Output: one JSON line per step on rank 0, last line
-``{"event": "done", "step": S, "loss": L, "digest": "<sha256 of all ranks' parameters>"}``.
+Python's ``random`` and NumPy's global generator are seeded per rank too and draw a little
+every step (as an augmentation pipeline would), so a resume that does not restore them shows.
+Output: one JSON line per step on rank 0, last line ``{"event": "done", "step": S, "loss": L,
+"digest": D, "digest_parts": {...}}``: D is a sha256 over every rank's whole checkpointed
+state (parameters, Adam state, every RNG, loader position; see ``_digest.py``), and
+``digest_parts`` the same per part (model, optim, rng, data) to tell which one differs.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
 import numpy as np
@@ -21,7 +26,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, init_torch_distributed, params_digest
+from _common import emit, init_torch_distributed
+from _digest import state_digest
 
 import ftkit
 
@@ -68,7 +74,10 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(),
                                 torch.nn.Dropout(args.dropout), torch.nn.Linear(args.hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    torch.manual_seed(args.seed * 1000 + comm.rank + 1)   # per-rank dropout stream
+    rank_seed = args.seed * 1000 + comm.rank + 1
+    torch.manual_seed(rank_seed)                       # per-rank dropout stream
+    random.seed(rank_seed)
+    np.random.seed(rank_seed)
     loader = Loader(args.seed)
     state = {"model": model, "optim": opt, "rng": ftkit.RNGState(), "data": loader}
 
@@ -79,12 +88,14 @@ def main() -> None:
     loss_val = float("nan")
     for step in range(start, args.steps):
         x, y = loader.next(comm.rank, comm.size)
+        random.random(), np.random.random()            # the host-side generators advance
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         for p in model.parameters():
+            assert p.grad is not None
             dist.all_reduce(p.grad)
-            p.grad /= comm.size
+            p.grad.div_(comm.size)
         opt.step()
         total = torch.tensor([loss.item()], dtype=torch.float64)
         dist.all_reduce(total)
@@ -92,8 +103,8 @@ def main() -> None:
         emit(comm, event="step", step=step + 1, loss=loss_val)
         ckpt.save(step + 1, state)
     ckpt.close()
-    digest = params_digest(comm, model)
-    emit(comm, event="done", step=args.steps, loss=loss_val, digest=digest)
+    digest, parts = state_digest(comm, state)
+    emit(comm, event="done", step=args.steps, loss=loss_val, digest=digest, digest_parts=parts)
     dist.destroy_process_group()
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -52,8 +53,20 @@ class Result:
     def events(self, job: str = "e2e") -> list[dict[str, Any]]:
         return list(read_events(self.pfs / job / "events.jsonl"))
 
+    def committed(self, attempt: int, job: str = "e2e") -> list[int]:
+        """Steps the coordinator reported committed (``commit`` events) in ``attempt``."""
+        return [e["step"] for e in self.events(job)
+                if e["event"] == "commit" and e.get("attempt") == attempt]
+
     def tail(self, n: int = 4000) -> str:
         return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
+
+
+def tree_digests(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under ``root`` (empty when it does not exist):
+    compare two listings to show that nothing was deleted, added or changed."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
@@ -69,24 +82,27 @@ def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
 
 def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_node: int = 2,
             max_restarts: int = 2, attempt_timeout: int = 240, timeout: int = 600,
-            extra: tuple[str, ...] = (), **ftkit_env: str) -> Result:
-    """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``)."""
+            extra: tuple[str, ...] = (), run_args: tuple[str, ...] = (),
+            **ftkit_env: str) -> Result:
+    """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``).
+    ``extra``: more arguments of the toy; ``run_args``: more options of ``ftkit run``."""
     return run_example(tmp, TOY, n=n, args=("--steps", str(steps), "--seed", str(seed), *extra),
                        ranks_per_node=ranks_per_node, max_restarts=max_restarts,
-                       attempt_timeout=attempt_timeout, timeout=timeout, env=ftkit_env)
+                       attempt_timeout=attempt_timeout, timeout=timeout, run_args=run_args,
+                       env=ftkit_env)
 
 
 def run_example(tmp: Path, script: str | Path, *, n: int, args: tuple[str, ...] = (),
                 ranks_per_node: int = 2, max_restarts: int = 0, attempt_timeout: int = 300,
-                timeout: int = 900, env: dict[str, str] | None = None,
-                **ftkit_env: str) -> Result:
-    """``ftkit run -n n`` ``script`` (a path, or a name under ``examples/``) with ``args``;
-    ``env`` and ``ftkit_env`` add FTKIT_* variables. Returns the outcome (never hangs past
-    ``timeout``)."""
+                timeout: int = 900, run_args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None, **ftkit_env: str) -> Result:
+    """``ftkit run -n n [run_args]`` ``script`` (a path, or a name under ``examples/``) with
+    ``args``; ``env`` and ``ftkit_env`` add FTKIT_* variables. Returns the outcome (never
+    hangs past ``timeout``)."""
     path = Path(script) if Path(script).is_absolute() else REPO / "examples" / script
     cmd = [*FTKIT, "run", "-n", str(n), "--ranks-per-node", str(ranks_per_node),
            "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
-           "--", sys.executable, str(path), *args]
+           *run_args, "--", sys.executable, str(path), *args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, check=False, cwd=tmp,
                           env=job_env(tmp, **{**(env or {}), **ftkit_env}),

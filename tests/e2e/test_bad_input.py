@@ -1,7 +1,6 @@
 """Corruption and bad input with real jobs: detected, named, never loaded, nothing lost."""
 from __future__ import annotations
 
-import hashlib
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -9,12 +8,7 @@ from pathlib import Path
 import pytest
 
 from ftkit.storage.shard import Shard
-from tests.e2e.jobs import Result, run_toy
-
-
-def _digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+from tests.e2e.jobs import Result, run_toy, tree_digests
 
 
 def _shard(res: Result, node: int, step: int, rank: int) -> Path:
@@ -78,12 +72,14 @@ def test_damaged_shard_uses_previous_step(damage: str, tmp_path: Path,
 def test_different_world_size_is_refused_and_nothing_changes(tmp_path: Path) -> None:
     first = run_toy(tmp_path, n=2, ranks_per_node=1, steps=4, max_restarts=0)
     assert first.rc == 0, first.tail()
-    before = _digests(first.local)
-    res = run_toy(tmp_path, n=4, ranks_per_node=2, steps=6, max_restarts=0)
-    assert res.rc != 0
-    assert "written by a job of 2 ranks, and this job has 4" in res.stderr, res.tail()
-    assert "step 4" in res.stderr
-    assert _digests(first.local) == before
+    before = tree_digests(first.local)
+    res = run_toy(tmp_path, n=4, ranks_per_node=2, steps=6, max_restarts=2)
+    assert res.rc == 3, res.tail()              # an error a relaunch would hit again
+    [line] = res.attempt_lines()
+    assert "not retried" in line and "UnrecoverableError" in line, line
+    assert "written by a job of 2 ranks" in res.stderr, res.tail()
+    assert "this job has 4" in res.stderr and "step 4" in res.stderr, res.tail()
+    assert tree_digests(first.local) == before
 
 
 @pytest.mark.timeout(300)

@@ -1,9 +1,23 @@
 """Fault matrix: every protocol phase x {kill, exit, raise} on rank 0 and on a non-zero rank.
 
-Each case runs the 4-rank toy example under ``ftkit run`` with a fault injected at step 5 of
-launch attempt 0. The job must fail, be relaunched, resume from the newest committed step
-(which the Koo–Toueg protocol determines exactly: a fault before the coordinator's durable
-decision leaves step 4, one after it leaves step 5) and end with the failure-free digest.
+Each case runs the 4-rank toy example (2 ranks per node) under ``ftkit run`` with a fault
+injected in launch attempt 0. The job must fail, be relaunched, resume from the newest
+committed step (which the Koo–Toueg protocol determines exactly: a fault before the
+coordinator's durable decision leaves the step before, one after it leaves the faulted step)
+and end with the failure-free digest of the whole state.
+
+Two configurations:
+
+* ``local:1`` (fault at step 5): capture, write-local, vote, decide, commit;
+* ``local:1,partner:1,pfs:3`` (fault at step 6, which is due on all three levels): the same
+  phases plus ``encode`` (the partner copy; before the vote), ``announce`` (the coordinator,
+  after its durable decision and before it is broadcast) and ``flush`` (the PFS write, which
+  starts only once the step is committed on the node-local levels), and a whole node lost
+  during a flush (its shards rebuilt from the partner copies on the other node).
+
+Besides the exact resume step, every case checks that no step the coordinator reported
+committed in the failed attempt is newer than the step resumed from: a committed step is
+never lost.
 """
 from __future__ import annotations
 
@@ -12,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs import run_toy
+from tests.e2e.jobs import Result, run_toy
 
 PHASES = ["capture", "write-local", "vote", "decide", "commit"]
 KINDS = ["kill", "exit", "raise"]
@@ -54,12 +68,94 @@ def test_fault_then_bitexact_resume(kind: str, phase: str, rank: int, tmp_path: 
     lines = res.attempt_lines()
     assert len(lines) == 2 and "attempt 0" in lines[0] and "failed" in lines[0], lines
     assert "attempt 1" in lines[1] and "succeeded" in lines[1], lines
-    starts = res.starts
-    assert [s["attempt"] for s in starts] == [0, 1], starts
-    assert starts[1]["step"] == expected_resume(phase, rank), (spec, starts, res.tail())
+    _assert_resumed(res, expected_resume(phase, rank), spec)
     assert res.done["digest"] == reference_digest(4, 8), res.tail()
     events = [e["event"] for e in res.events()]
     assert "relaunch" in events and events.count("restore") == 2, events
+
+
+def _assert_resumed(res: Result, step: int, spec: str) -> None:
+    """Attempt 1 resumed at ``step``, and no step committed in attempt 0 is newer."""
+    starts = res.starts
+    assert [s["attempt"] for s in starts] == [0, 1], (starts, res.tail())
+    assert starts[1]["step"] == step, (spec, starts, res.tail())
+    lost = [s for s in res.committed(0) if s > step]
+    assert not lost, f"{spec}: committed step(s) {lost} lost; resumed at {step}\n{res.tail()}"
+
+
+# ------------------------------------------------------- local:1,partner:1,pfs:3, step 6
+MULTI_LEVELS = "local:1,partner:1,pfs:3"
+MULTI_STEP = 6                       # due on local, partner and pfs
+MULTI_PHASES = ["capture", "write-local", "encode", "vote", "decide", "announce", "commit",
+                "flush"]
+MULTI_FAST = {("kill", "encode", 3), ("raise", "encode", 0), ("kill", "announce", 0),
+              ("kill", "flush", 3), ("raise", "flush", 0)}
+
+
+def multi_resume(kind: str, phase: str, rank: int, committed: list[int]) -> int:
+    """Newest committed step after a fault in ``phase`` of step 6 on ``rank``
+    (``committed``: the steps the coordinator reported committed in the failed attempt).
+
+    ``encode`` runs on every rank before the vote: step 5. The coordinator's ``announce``
+    comes after its durable decision: step 6, like the ``decide`` hook of the other ranks
+    (reached after the announcement) and ``commit``. ``flush`` starts after step 6 was
+    committed on the node-local levels: a killed or exiting rank leaves step 6; a raised
+    fault makes the flush fail on every rank, which the job learns of a step or two later
+    (the flush runs in the background): its newest committed step, at least 6.
+    """
+    if phase == "flush" and kind == "raise":
+        assert committed and max(committed) >= MULTI_STEP, committed
+        return max(committed)
+    after = phase in ("announce", "commit", "flush") or (phase == "decide" and rank != 0)
+    return MULTI_STEP if after else MULTI_STEP - 1
+
+
+def _multi_cases() -> list[object]:
+    out: list[object] = []
+    for kind in KINDS:
+        for phase in MULTI_PHASES:
+            for rank in ((0,) if phase == "announce" else (3, 0)):   # announce: coordinator
+                marks = [] if (kind, phase, rank) in MULTI_FAST else [pytest.mark.slow]
+                out.append(pytest.param(kind, phase, rank, marks=marks,
+                                        id=f"{kind}-{phase}-rank{rank}"))
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,phase,rank", _multi_cases())
+def test_multilevel_fault_then_bitexact_resume(kind: str, phase: str, rank: int,
+                                               tmp_path: Path,
+                                               reference_digest: Callable[..., str]) -> None:
+    spec = f"{kind}:rank={rank}:step={MULTI_STEP}:phase={phase}"
+    res = run_toy(tmp_path, steps=8, FTKIT_LEVELS=MULTI_LEVELS, FTKIT_FAULTS=spec)
+    assert res.rc == 0, res.tail()
+    lines = res.attempt_lines()
+    assert len(lines) == 2 and "failed" in lines[0] and "succeeded" in lines[1], lines
+    _assert_resumed(res, multi_resume(kind, phase, rank, res.committed(0)), spec)
+    assert res.done["digest"] == reference_digest(4, 8), res.tail()
+    if phase == "flush":      # the PFS copy of step 6 never completed; step 3's did
+        step_dir = res.pfs / "e2e"
+        assert (step_dir / "step-3" / "COMMITTED").is_file(), sorted(step_dir.iterdir())
+        flushed = [e["step"] for e in res.events() if e["event"] == "flush"
+                   and e.get("attempt") == 0]
+        assert flushed == [3], res.events()
+
+
+@pytest.mark.timeout(300)
+def test_node_lost_during_flush_rebuilt_from_partner(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """Node 1 (ranks 2 and 3) dies and its local directory is wiped as the PFS flush of step 6
+    starts. Step 6 was committed on local and partner before the flush; the PFS holds only
+    step 3. The relaunch rebuilds ranks 2 and 3's step-6 shards from their partner copies on
+    node 0 and resumes at step 6, bit-exact."""
+    spec = f"node:rank=2:step={MULTI_STEP}:phase=flush"
+    res = run_toy(tmp_path, steps=8, FTKIT_LEVELS=MULTI_LEVELS, FTKIT_FAULTS=spec)
+    assert res.rc == 0, res.tail()
+    _assert_resumed(res, MULTI_STEP, spec)
+    rebuilds = [e for e in res.events() if e["event"] == "rebuild"]
+    assert len(rebuilds) == 1 and rebuilds[0]["step"] == MULTI_STEP, rebuilds
+    assert sorted(rebuilds[0]["from_partner"]) == [2, 3], rebuilds
+    assert res.done["digest"] == reference_digest(4, 8), res.tail()
 
 
 @pytest.mark.timeout(900)

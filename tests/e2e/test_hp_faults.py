@@ -46,7 +46,8 @@ def _losses(res: Result) -> list[tuple[int, float]]:
 
 def _assert_recovered(res: Result, resume: int, reference: Result) -> None:
     """One relaunch, resumed at ``resume``; every printed loss (replayed steps included) and
-    the final parameters equal the failure-free run's, bit for bit."""
+    the whole final state (parameters, Adam state, RNGs, loader) equal the failure-free run's,
+    bit for bit."""
     assert res.rc == 0, res.tail()
     starts = res.starts
     assert [s["attempt"] for s in starts] == [0, 1], (starts, res.tail())
