@@ -43,7 +43,7 @@ from ftkit.recovery import identity, pfs_restore
 from ftkit.recovery import restore as recovery
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
-from ftkit.storage.pfs import PfsLevel
+from ftkit.storage.pfs import PfsLevel, remove_steps
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -416,8 +416,9 @@ class Checkpointer:
         """``FTKIT_START=fresh``: delete this job's checkpoints on every level (node leaders
         their node's directory, rank 0 the PFS steps), as the user asked. All ranks call."""
         removed = self.local.remove_all() if self.topo.is_node_leader else []
-        pfs_removed = self.pfs.remove_all() if self.pfs is not None and self.topo.rank == 0 \
-            else []
+        # PFS steps go even when this run has no PFS level: a later run with one would
+        # otherwise resume the old timeline from them
+        pfs_removed = remove_steps(self.config.job_pfs_dir) if self.topo.rank == 0 else []
         gathered = self.dc.allgather(removed, "restore-discover")
         self.dc.barrier("restore-discover")
         log.warning("rank %d: FTKIT_START=fresh: removed node-local steps %s, PFS steps %s",

@@ -60,20 +60,6 @@ class PfsLevel:
     def step_dir(self, step: int) -> Path:
         return self.config.job_pfs_dir / f"step-{step}"
 
-    def remove_all(self) -> list[int]:
-        """Rank 0: delete every PFS step of this job (an explicit fresh start; the event log
-        stays). Each step's COMMITTED record goes first, durably, so a crash midway leaves
-        incomplete steps only. Returns the steps removed. Local."""
-        root = self.config.job_pfs_dir
-        if not root.is_dir():
-            return []
-        steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.name[5:].isdigit())
-        for step in steps:
-            hdf5.retract_commit(self.step_dir(step))
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
-        fsync_dir(root)
-        return steps
-
     def committed_steps(self) -> list[int]:
         """PFS steps with a COMMITTED record, newest first (local listing)."""
         root = self.config.job_pfs_dir
@@ -166,3 +152,17 @@ class PfsLevel:
 def _version() -> str:
     from ftkit import __version__
     return __version__
+
+
+def remove_steps(job_dir: Path) -> list[int]:
+    """Delete every PFS step under ``job_dir`` (an explicit fresh start; the event log and
+    the run record stay). Each step's COMMITTED record goes first, durably, so a crash midway
+    leaves incomplete steps only. Returns the steps removed. Local; rank 0 only."""
+    if not job_dir.is_dir():
+        return []
+    steps = sorted(int(p.name[5:]) for p in job_dir.glob("step-*") if p.name[5:].isdigit())
+    for step in steps:
+        hdf5.retract_commit(job_dir / f"step-{step}")
+        shutil.rmtree(job_dir / f"step-{step}", ignore_errors=True)
+    fsync_dir(job_dir)
+    return steps

@@ -73,9 +73,12 @@ def test_unusable_steps_are_kept_and_named(ftkit_env, monkeypatch):
 
 
 def test_fresh_start_is_explicit(ftkit_env, monkeypatch):
-    """FTKIT_START=fresh deletes the job's steps, restores 0 and the job saves again."""
+    """FTKIT_START=fresh deletes the job's steps on every level (PFS steps too, even when
+    this run has no PFS level), restores 0 and the job saves again."""
     with topology() as topo:
-        save_steps(topo, [1, 2])
+        save_steps(topo, [1, 2], levels="local:1,pfs:2")
+    pfs_job = ftkit_env.pfs_dir / ftkit_env.job
+    assert (pfs_job / "step-2" / "COMMITTED").is_file()
     monkeypatch.setenv("FTKIT_RANKS_PER_NODE", "1")
     monkeypatch.setenv("FTKIT_START", "fresh")
     with topology() as topo:
@@ -85,7 +88,9 @@ def test_fresh_start_is_explicit(ftkit_env, monkeypatch):
         ckpt.save(1, small_state(RANK, 1))
         ckpt.close()
     assert allgather(step) == [0] * 4
-    assert [e["event"] for e in events(ftkit_env.events_path)].count("fresh-start") == 1
+    assert not list(pfs_job.glob("step-*"))
+    fresh = [e for e in events(ftkit_env.events_path) if e["event"] == "fresh-start"]
+    assert len(fresh) == 1 and fresh[0]["pfs"] == [2], fresh
     monkeypatch.setenv("FTKIT_START", "resume")
     with topology() as topo:
         step, error = try_restore(topo, small_state(RANK, 0))
