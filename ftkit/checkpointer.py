@@ -130,14 +130,13 @@ class Checkpointer:
         found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
                                   run_id=self.run_id, rank_node=list(self.topo.rank_node))
         discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
-        step, level, pfs_unusable = found.step, "local", {}
+        step, level = found.step, "local"
+        pfs_unusable: dict[int, str] = {}
         if self.pfs is not None:      # the PFS may hold a newer step than the local levels
-            pfs_step = pfs_restore.restore_from_pfs(self.dc, self.pfs, state, self._emit,
-                                                    newer_than=found.step)
+            pfs_step, pfs_unusable = pfs_restore.restore_from_pfs(
+                self.dc, self.pfs, state, self._emit, newer_than=found.step)
             if pfs_step:
                 step, level = pfs_step, "pfs"
-            else:
-                pfs_unusable = self._pfs_unusable(found.step)
         if level == "local" and step:
             recovery.load(self.dc, self.levels, self.faults, step, state)
         if not step and (found.unusable() or pfs_unusable):
@@ -403,15 +402,6 @@ class Checkpointer:
         self.local.retain(set(usable[:2]) | set(self.level_last.values()))
         self.dc.barrier("restore-load", step)
 
-    def _pfs_unusable(self, newer_than: int) -> dict[int, str]:
-        """Committed PFS steps newer than ``newer_than`` (restore found none usable), with
-        why. All ranks call."""
-        assert self.pfs is not None
-        steps = self.dc.bcast([s for s in self.pfs.committed_steps() if s > newer_than]
-                              if self.topo.rank == 0 else None, "restore-discover")
-        return {int(s): f"unreadable or damaged under {self.pfs.step_dir(int(s))} (see the "
-                        f"restore-skip events)" for s in steps}
-
     def _start_fresh(self) -> None:
         """``FTKIT_START=fresh``: delete this job's checkpoints on every level (node leaders
         their node's directory, rank 0 the PFS steps), as the user asked. All ranks call."""
@@ -419,8 +409,7 @@ class Checkpointer:
         # PFS steps go even when this run has no PFS level: a later run with one would
         # otherwise resume the old timeline from them
         pfs_removed = remove_steps(self.config.job_pfs_dir) if self.topo.rank == 0 else []
-        gathered = self.dc.allgather(removed, "restore-discover")
-        self.dc.barrier("restore-discover")
+        gathered = self.dc.allgather(removed, "restore-discover")   # also: all removed
         log.warning("rank %d: FTKIT_START=fresh: removed node-local steps %s, PFS steps %s",
                     self.topo.rank, removed, pfs_removed)
         self._emit("fresh-start", local={str(self.topo.rank_node[r]): g
@@ -463,9 +452,7 @@ class Checkpointer:
                                 f"{self.config.job_pfs_dir}: {describe(exc)}")
         got = self.dc.bcast(got, "prepare")
         if "error" in got:
-            error = ConfigError(got["error"])
-            record_fatal(error, self.topo.rank)
-            raise error
+            raise ConfigError(got["error"])        # recorded for ftkit run by __init__
         return got["run"]
 
     def _threads_ok(self) -> bool:

@@ -124,13 +124,16 @@ def _read_step(pfs: PfsLevel, step: int) -> Any:
 
 
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
-                     emit: Callable[..., None], newer_than: int = 0) -> int:
+                     emit: Callable[..., None], newer_than: int = 0
+                     ) -> tuple[int, dict[int, str]]:
     """Load the newest committed PFS step newer than ``newer_than`` that every rank can read
     intact; a different DP size is resharded (see :func:`source_rank`). Any exception while
     reading or decoding a step on any rank makes it unusable everywhere (agreed), and the
-    next older one is tried. 0 when there is none. All ranks call."""
+    next older one is tried. Returns the step loaded (0 when none) and the newer committed
+    steps found unusable, with why (identical on every rank). All ranks call."""
     candidates = dc.bcast([s for s in pfs.committed_steps() if s > newer_than]
                           if dc.rank == 0 else None, "restore-discover")
+    skipped: dict[int, str] = {}
     for step in candidates:
         failure = None
         loaded: Any = None
@@ -146,13 +149,14 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
             if dc.rank == 0:
                 log.warning("restore: PFS step %d is unusable, trying an older one: %s",
                             step, reason)
-            emit("restore-skip", step=step, level="pfs", failures=failures,
-                 reason=reason if len(reason) <= 1000 else reason[:997] + "...")
+            reason = reason if len(reason) <= 1000 else reason[:997] + "..."
+            emit("restore-skip", step=step, level="pfs", failures=failures, reason=reason)
+            skipped[step] = reason
             continue
         apply_agreed(dc, state, loaded, step)
         if dc.rank == 0:
             log.warning("restore: node-local levels hold no usable step newer than %d; "
                         "restored step %d from the PFS level (%s)", newer_than, step,
                         pfs.step_dir(step))
-        return step
-    return 0
+        return step, skipped
+    return 0, skipped

@@ -169,12 +169,10 @@ class LocalLevel(Level):
     def remove_all(self) -> list[int]:
         """Node leader: delete every step of this node, parked ones included (an explicit
         fresh start). Returns the steps removed. Local."""
-        removed = sorted(set(self.steps()) | set(self.parked()))
-        for step in self.steps():
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
-        for step in self.parked():
-            shutil.rmtree(self.parked_dir(step), ignore_errors=True)
-        return removed
+        steps, parked = self.steps(), self.parked()
+        for path in [self.step_dir(s) for s in steps] + [self.parked_dir(s) for s in parked]:
+            shutil.rmtree(path, ignore_errors=True)
+        return sorted(set(steps) | set(parked))
 
     # -------------------------------------------------------------- parking
     def parked_dir(self, step: int) -> Path:

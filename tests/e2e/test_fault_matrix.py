@@ -47,15 +47,16 @@ def expected_resume(phase: str, rank: int) -> int:
     return FAULT_STEP if after_decision else FAULT_STEP - 1
 
 
+def _params(cases: list[tuple[str, str, int]], fast: set[tuple[str, str, int]]
+            ) -> list[object]:
+    """pytest params of (kind, phase, rank) cases; those not in ``fast`` are marked slow."""
+    return [pytest.param(kind, phase, rank,
+                         marks=[] if (kind, phase, rank) in fast else [pytest.mark.slow],
+                         id=f"{kind}-{phase}-rank{rank}") for kind, phase, rank in cases]
+
+
 def _cases() -> list[object]:
-    out: list[object] = []
-    for kind in KINDS:
-        for phase in PHASES:
-            for rank in (3, 0):
-                marks = [] if (kind, phase, rank) in FAST else [pytest.mark.slow]
-                out.append(pytest.param(kind, phase, rank, marks=marks,
-                                        id=f"{kind}-{phase}-rank{rank}"))
-    return out
+    return _params([(k, p, r) for k in KINDS for p in PHASES for r in (3, 0)], FAST)
 
 
 @pytest.mark.timeout(900)
@@ -116,14 +117,10 @@ MULTI_NEW = ("encode", "announce", "flush")
 
 
 def _multi_cases() -> list[object]:
-    out: list[object] = []
-    for kind in KINDS:
-        for phase in (p for p in MULTI_PHASES if kind == "kill" or p in MULTI_NEW):
-            for rank in ((0,) if phase == "announce" else (3, 0)):   # announce: coordinator
-                marks = [] if (kind, phase, rank) in MULTI_FAST else [pytest.mark.slow]
-                out.append(pytest.param(kind, phase, rank, marks=marks,
-                                        id=f"{kind}-{phase}-rank{rank}"))
-    return out
+    return _params([(k, p, r) for k in KINDS
+                    for p in MULTI_PHASES if k == "kill" or p in MULTI_NEW
+                    for r in ((0,) if p == "announce" else (3, 0))],   # announce: coordinator
+                   MULTI_FAST)
 
 
 @pytest.mark.timeout(300)

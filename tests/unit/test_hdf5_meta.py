@@ -307,12 +307,14 @@ def test_restore_falls_back_on_any_failure(tmp_path: Path, damage: str) -> None:
                       "IndexError (sealed)": _bad_leaf_index}[damage])
     events: list[tuple[str, dict[str, Any]]] = []
     state: dict[str, Any] = _state(0, pos=0)
-    got = pfs_restore.restore_from_pfs(_OneRank(), _Pfs(job, 1), state,  # type: ignore[arg-type]
-                                       lambda ev, **kw: events.append((ev, kw)))
+    got, skipped = pfs_restore.restore_from_pfs(
+        _OneRank(), _Pfs(job, 1), state,  # type: ignore[arg-type]
+        lambda ev, **kw: events.append((ev, kw)))
     assert got == 1 and state["data"]["pos"] == 1000
     (skip,) = [kw for ev, kw in events if ev == "restore-skip"]
     assert skip["step"] == 2 and skip["level"] == "pfs" and "\n" not in skip["reason"]
     assert str(node2) in skip["reason"] or "Error" in skip["reason"], skip
+    assert skipped == {2: skip["reason"]}
 
 
 def test_dp_resharding_refuses_replicas_that_differ(tmp_path: Path) -> None:
