@@ -44,7 +44,7 @@ def _child(args: argparse.Namespace) -> None:
                            if rank == 0 else None))
     rank_node = virtual_nodes(world, 1)
     local = LocalLevel(root / f"node-{rank}", rank=rank, node_leader=True,
-                       faults=Faults("", rank=rank, node=rank, attempt=0))
+                       faults=Faults("", rank=rank, node=rank, attempt=0), base=root)
     local.prepare()
     local.ensure_step_dir(1)
     data = np.frombuffer(np.random.default_rng(rank).bytes(nbytes), dtype=np.uint8)

@@ -19,7 +19,6 @@ import collections
 import concurrent.futures as cf
 import logging
 import os
-import threading
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -51,7 +50,17 @@ State = MutableMapping[str, Any]
 
 
 class Checkpointer:
-    """Coordinated multi-level checkpoints of one job. Construct on every rank (collective)."""
+    """Coordinated multi-level checkpoints of one job. Construct on every rank (collective).
+
+    A failed PFS flush (full disk, permissions, I/O error) does not stop training: it is
+    logged, appended to ``events.jsonl`` as ``flush-failed``, and the next step due at
+    ``pfs`` is flushed as usual. Two attributes show where the PFS copy stands (identical on
+    every rank; complete after :meth:`wait` or :meth:`close`):
+
+    * ``pfs_failures`` — ``{step: reason}`` of every failed PFS flush of this process;
+    * ``last_flushed`` — the newest step this process flushed to the PFS or restored from
+      it, None when neither happened yet.
+    """
 
     def __init__(self, topo: Topology, config: Config | None = None) -> None:
         try:
@@ -70,8 +79,10 @@ class Checkpointer:
         self.faults = Faults(config.faults, rank=topo.rank, node=topo.node,
                              attempt=config.attempt,
                              rank_node=topo.rank_node, node_dir=root)
-        self.local = LocalLevel(root, rank=topo.rank, node_leader=topo.is_node_leader,
-                                faults=self.faults)
+        self.local = LocalLevel.for_config(config, topo.node,
+                                           host=os.environ.get("SLURMD_NODENAME"),
+                                           rank=topo.rank, node_leader=topo.is_node_leader,
+                                           faults=self.faults)
         self._prepare_dirs()
         self.run_id = self._run_id()
         self.identity = {"job": config.job, "run": self.run_id, "nodes": list(topo.rank_node),
@@ -81,8 +92,7 @@ class Checkpointer:
                             self.faults, run_id=self.run_id) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit,
-                              stop_requested=_stop_file_exists,
-                              flush_report=self._flush_report, identity=self.identity)
+                              stop_requested=_stop_file_exists, identity=self.identity)
         self.stop_requested = False       # set on every rank by a committed step's decision
         self.last_committed: int | None = None
         self.level_last: dict[str, int] = {}     # newest committed step of every level
@@ -96,9 +106,8 @@ class Checkpointer:
             if self._async and self.pfs is not None else None
         self._flushes: collections.deque[cf.Future[None]] = collections.deque()
         self._flushing: set[int] = set()         # steps being flushed: retention keeps them
-        self._flush_lock = threading.Lock()
-        self._flush_errors: dict[int, str] = {}  # step -> why its PFS flush failed
-        self._flush_reported: set[int] = set()   # flush failures every rank has raised
+        self.pfs_failures: dict[int, str] = {}   # step -> why its PFS flush failed (agreed)
+        self.last_flushed: int | None = None     # newest step flushed to / restored from PFS
         self._staging: Staging | None = None
         self._guard = OptimizerGuard(self.wait_staged)
         self._closed = False
@@ -130,17 +139,11 @@ class Checkpointer:
         found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
                                   run_id=self.run_id, rank_node=list(self.topo.rank_node))
         discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
-        step, level = found.step, "local"
-        pfs_unusable: dict[int, str] = {}
-        if self.pfs is not None:      # the PFS may hold a newer step than the local levels
-            pfs_step, pfs_unusable = pfs_restore.restore_from_pfs(
-                self.dc, self.pfs, state, self._emit, newer_than=found.step)
-            if pfs_step:
-                step, level = pfs_step, "pfs"
-        if level == "local" and step:
-            recovery.load(self.dc, self.levels, self.faults, step, state)
+        step, level, pfs_unusable = self._load_newest(found, state)
         if not step and (found.unusable() or pfs_unusable):
             error = recovery.unrecoverable_error(found, self.local.root.parent, pfs_unusable)
+            if any(pfs_restore.transient(why) for why in pfs_unusable.values()):
+                error.recurs = False      # a stalled PFS read may succeed when relaunched
             self._emit("restore-failed", steps=sorted(found.unusable()) + sorted(pfs_unusable),
                        reason=str(error))
             raise error
@@ -151,11 +154,30 @@ class Checkpointer:
             log.info("restored step %d from level %s", step, level)
         return step
 
+    def _load_newest(self, found: Any, state: State) -> tuple[int, str, dict[int, str]]:
+        """Load the newest usable step: a PFS step newer than the newest recoverable local
+        one, else that local one; a local step whose final load fails on any rank becomes
+        unusable and the search goes on with older steps (``found`` is updated). Returns
+        (step, level, PFS steps found unusable); step 0 when none. All ranks call."""
+        pfs_unusable: dict[int, str] = {}
+        while True:
+            if self.pfs is not None:   # the PFS may hold a newer step than the local levels
+                pfs_step, unusable = pfs_restore.restore_from_pfs(
+                    self.dc, self.pfs, state, self._emit, newer_than=found.step,
+                    skip=set(pfs_unusable))
+                pfs_unusable.update(unusable)
+                if pfs_step:
+                    return pfs_step, "pfs", pfs_unusable
+            if not found.step or recovery.try_load(self.dc, self.levels, self.faults, found,
+                                                   state, self._emit):
+                return found.step, "local", pfs_unusable
+
     def save(self, step: int, state: State) -> None:
         """Checkpoint ``state`` as it is after ``step`` completed steps, on every level due at
         ``step``. Async: returns once the state is captured (parameters and optimizer state
         may still be staging; see :meth:`wait_staged`) after the previous checkpoint's
-        commit (whose CheckpointError it raises). All ranks call, with the same step.
+        commit (whose CheckpointError it raises). All ranks call, with the same step. A
+        failed PFS flush is never raised (see ``pfs_failures``).
 
         Until staging is done, only ``optimizer.step()`` of an optimizer in ``state`` may
         change the saved tensors (it waits for staging by itself); anything else that
@@ -197,22 +219,18 @@ class Checkpointer:
         self.blocked_seconds.append(time.perf_counter() - t0)
 
     def wait(self) -> None:
-        """Wait for every background checkpoint and flush, re-raising the first
-        CheckpointError (flush failures not raised yet included). All ranks call at the
-        same point (flush outcomes are agreed, so every rank raises the same error)."""
+        """Wait for every background checkpoint and flush, re-raising the newest
+        checkpoint's CheckpointError; a failed PFS flush is not raised (it is in
+        ``pfs_failures``). All ranks call at the same point."""
         self._settle()
         while self._flushes:
             self._result(self._flushes.popleft(), "PFS flush")
-        with self._flush_lock:
-            late = {s: e for s, e in self._flush_errors.items() if s not in self._flush_reported}
-            self._flush_reported |= set(late)
-        if late:
-            raise CheckpointError(min(late), {}, message="PFS flush failed: " + "; ".join(
-                f"step {s}: {why}" for s, why in sorted(late.items())))
 
     def close(self, *, stopped: bool = False) -> None:
         """Finish background work, then mark the job complete once every rank got here
-        (``stopped``: ended early on a stop request). All ranks call."""
+        (``stopped``: ended early on a stop request). All ranks call. When the newest PFS
+        flush attempted failed, rank 0 logs an ERROR (the newest committed steps are only on
+        the node-local levels) but nothing is raised."""
         if self._closed:
             return
         self._closed = True
@@ -224,6 +242,7 @@ class Checkpointer:
             for pool in (self._pool, self._flusher):
                 if pool is not None:
                     pool.shutdown(wait=True)
+        self._report_unflushed()
         self.dc.barrier("close")
         done = os.environ.get("FTKIT_DONE_FILE")
         if done and self.topo.rank == 0:
@@ -249,7 +268,12 @@ class Checkpointer:
         """A stop was requested (time limit near): checkpoint ``step`` on every configured
         level, PFS included, wait for it, close, and end the process cleanly with
         ``SystemExit(0)`` so a requeued job resumes here. All ranks call (they all saw the
-        same decision)."""
+        same decision).
+
+        If the PFS flush of the final step fails, :meth:`close` logs an ERROR and the ranks
+        still exit with status 0: the step is committed on the node-local levels, so a
+        requeue on the same nodes resumes from it (on other nodes, it resumes from the newest
+        step on the PFS)."""
         levels = self.config.levels_all()
         log.warning("rank %d: stop requested: final checkpoint of step %d on %s",
                     self.topo.rank, step, ",".join(levels))
@@ -263,8 +287,7 @@ class Checkpointer:
 
     def _settle(self) -> None:
         """Wait for the newest snapshot's commit (its buffers are free again then), raising
-        its CheckpointError (which also carries PFS flush failures, reported to every rank
-        in the same protocol run). Local."""
+        its CheckpointError. Local."""
         while self._flushes and self._flushes[0].done():
             self._flushes.popleft()
         pending, self._pending = self._pending, None
@@ -322,8 +345,6 @@ class Checkpointer:
         except (ProtocolTimeout, ProtocolMismatch) as exc:
             self._abort(str(exc))
             raise
-        with self._flush_lock:
-            self._flush_reported |= set(out.flush_failures)
         self.stop_requested |= out.stop
         if out.committed:
             self.last_committed = snap.step
@@ -332,12 +353,6 @@ class Checkpointer:
         if self.pfs is not None and "pfs" in snap.levels:
             self._start_flush(snap.step)
 
-    def _flush_report(self) -> dict[str, str]:
-        """Checkpoint thread: this rank's flush failures not reported yet (for the vote)."""
-        with self._flush_lock:
-            return {str(s): e for s, e in self._flush_errors.items()
-                    if s not in self._flush_reported}
-
     def _start_flush(self, step: int) -> None:
         """Flush committed ``step`` to the PFS: on the flush thread when async, after the
         previous flush (back-pressure: at most one flush in flight)."""
@@ -345,30 +360,54 @@ class Checkpointer:
             self._flush(step)
             return
         for older in list(self._flushes):
-            older.exception(timeout=self._patience)     # its error reaches the caller later
+            older.exception(timeout=self._patience)     # back-pressure: one flush at a time
         self._flushing.add(step)
         self._flushes.append(self._flusher.submit(self._flush, step))
 
     def _flush(self, step: int) -> None:
-        """Flush thread (or checkpoint thread when sync). A failure is kept and reported in
-        the next protocol run's vote (or by :meth:`wait`), never raised here, so every rank
-        raises it at the same call."""
+        """Flush thread (or checkpoint thread when sync). ``PfsLevel.flush`` agrees its
+        outcome, so every rank sees the same failure; a failure degrades the job
+        (:meth:`_flush_failed`), it is never raised. A ProtocolTimeout (a rank lost or hung)
+        is failure detection, not a PFS failure: it aborts the world."""
         assert self.pfs is not None
         try:
             seconds = self.pfs.flush(step)
         except ProtocolTimeout as exc:
             self._abort(str(exc))
             raise
-        except Exception as exc:  # noqa: BLE001 - reported collectively later
-            log.error("rank %d: PFS flush of step %d failed: %s", self.topo.rank, step,
-                      describe(exc))
-            with self._flush_lock:
-                self._flush_errors[step] = describe(exc)
+        except Exception as exc:  # noqa: BLE001 - the PFS copy is lost; training goes on
+            self._flush_failed(step, describe(exc))
             return
         finally:
             self._flushing.discard(step)
+        self.last_flushed = step
         self._emit("flush", step=step, seconds=round(seconds, 6),
                    dir=str(self.pfs.step_dir(step)))
+
+    def _flush_failed(self, step: int, reason: str) -> None:
+        """Every rank: keep the agreed ``reason`` in ``pfs_failures`` and log it once (rank
+        0 at WARNING, the others at INFO); rank 0 appends a ``flush-failed`` event. The
+        level stays on: the next step due at ``pfs`` is flushed as usual."""
+        self.pfs_failures[step] = reason
+        log.log(logging.WARNING if self.topo.rank == 0 else logging.INFO,
+                "PFS flush of step %d failed; training continues on the node-local levels "
+                "and the next step due at pfs is flushed as usual: %s", step, reason)
+        self._emit("flush-failed", step=step, level="pfs", reason=reason)
+
+    def _report_unflushed(self) -> None:
+        """Rank 0, at close: an ERROR when the newest PFS flush attempted failed, so the
+        newest committed step is only on the node-local levels."""
+        failed = [s for s in self.pfs_failures
+                  if self.last_flushed is None or s > self.last_flushed]
+        if self.topo.rank != 0 or not failed:
+            return
+        step = max(failed)
+        on_pfs = (f"the newest step on the PFS is {self.last_flushed}"
+                  if self.last_flushed is not None else "no step reached the PFS in this attempt")
+        log.error("committed step %s is only on the node-local levels: the PFS flush of step "
+                  "%d failed (%s); %s. A relaunch on the same nodes resumes from the node-local "
+                  "levels; if those nodes are lost, from the PFS", self.last_committed, step,
+                  self.pfs_failures[step], on_pfs)
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
@@ -392,10 +431,11 @@ class Checkpointer:
             self.level_last.update({lv: s for lv in found.levels_of[s]})
         if level == "pfs":
             self.level_last["pfs"] = step
+            self.last_flushed = step
         self.last_committed = step or None
         if step and level == "local" and self.topo.is_node_leader \
                 and not self.local.is_committed(step):
-            write_record(self.local.step_dir(step) / COMMITTED,
+            write_record(self.local.ensure_step_dir(step) / COMMITTED,
                          self.proto.record(step, found.levels_of[step]) |
                          {"completed_by": "restore"})
         self.local.park({s for s in self.local.steps() if s > step})

@@ -23,6 +23,11 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
 #: over (what happens to existing steps is the Checkpointer's business).
 START_MODES = ("resume", "fresh")
+#: ``FTKIT_TIMEOUT`` bounds, seconds: below 1 s a busy node misses control messages; past
+#: 7 days a stuck phase is never noticed (and a bogus ``inf`` or ``1e-9`` is a typo).
+MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 86400.0
+#: Largest Reed-Solomon set: data plus parity members index a GF(256) Cauchy matrix.
+MAX_RS_SET = 256
 
 
 def _default_user() -> str:
@@ -85,13 +90,18 @@ class Config:
         for key in ("xor_set", "rs_set"):
             if getattr(self, key) < 2:
                 raise ConfigError(f"FTKIT_{key.upper()}: must be >= 2, got {getattr(self, key)}")
+        if self.rs_set > MAX_RS_SET:
+            raise ConfigError(f"FTKIT_RS_SET: must be <= {MAX_RS_SET} (Reed-Solomon over "
+                              f"GF(256)), got {self.rs_set}")
         if not 1 <= self.rs_parity < self.rs_set:
             raise ConfigError(f"FTKIT_RS_PARITY: must be in [1, FTKIT_RS_SET-1="
                               f"{self.rs_set - 1}], got {self.rs_parity}")
         if self.ranks_per_node < 0:
             raise ConfigError(f"FTKIT_RANKS_PER_NODE: must be >= 1, got {self.ranks_per_node}")
-        if not self.timeout > 0:
-            raise ConfigError(f"FTKIT_TIMEOUT: must be > 0 seconds, got {self.timeout}")
+        if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:      # False for nan too
+            raise ConfigError(f"FTKIT_TIMEOUT: must be a number of seconds in "
+                              f"[{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}] (1 s to 7 days), "
+                              f"got {self.timeout}")
         if self.attempt < 0:
             raise ConfigError(f"FTKIT_ATTEMPT: must be >= 0, got {self.attempt}")
         if self.log_level.upper() not in LOG_LEVELS:
@@ -223,10 +233,8 @@ def _coerce(field: str, raw: Any, where: str) -> Any:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        if kind in ("int", int):
-            return int(raw)
-        if kind in ("float", float):
-            return float(raw)
+        if kind in ("int", int, "float", float):
+            return _number(raw, float if kind in ("float", float) else int)
         return str(raw)
     except ConfigError:
         raise
@@ -234,6 +242,14 @@ def _coerce(field: str, raw: Any, where: str) -> Any:
         valid = {"async_": "0 or 1", "levels": "level:every[,level:every...]"}.get(
             field, "an integer" if kind in ("int", int) else "a number")
         raise ConfigError(f"{where}: malformed value {raw!r}; expected {valid}") from None
+
+
+def _number(raw: Any, kind: type[int | float]) -> int | float:
+    """``raw`` as ``kind``: a string is parsed; a TOML boolean, or a fraction for an integer
+    key, is refused (ValueError) instead of being truncated to ``1`` or ``2``."""
+    if isinstance(raw, bool) or (kind is int and isinstance(raw, float)):
+        raise ValueError(raw)
+    return kind(raw)
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:

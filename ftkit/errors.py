@@ -25,6 +25,16 @@ class ConfigError(FtkitError, ValueError):
     recurs = True
 
 
+class UnsafeLocalDirError(ConfigError, OSError):
+    """An entry of the node-local tree is not private to the user running ftkit: a
+    symbolic link, not a directory (or not a regular file), owned by another user, or open
+    to group/others. ftkit refuses it instead of writing checkpoints where another user can
+    redirect, hide or read them; the message names the path, owner, mode and what to do.
+
+    A ConfigError (``ftkit run`` does not retry it) and an OSError (the Checkpointer's
+    collective check of the local directory reports it on every rank)."""
+
+
 class CheckpointError(FtkitError):
     """A collective checkpoint operation failed on one or more ranks.
 

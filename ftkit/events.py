@@ -1,7 +1,8 @@
 """The job's event log: ``$FTKIT_PFS_DIR/<job>/events.jsonl``, one JSON object per line.
 
-Writers: rank 0 of the job (save/commit/abort/restore events) and ``ftkit run`` (launch,
-attempt and relaunch events). Each line is written with a single ``O_APPEND`` write, so
+Writers: rank 0 of the job (commit/abort, flush/flush-failed, restore events; any rank for
+``timeout``) and ``ftkit run`` (launch, attempt and relaunch events); docs/formats.md lists
+every event and its fields. Each line is written with a single ``O_APPEND`` write, so
 lines from the two writers never interleave.
 """
 from __future__ import annotations

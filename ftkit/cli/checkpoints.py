@@ -42,12 +42,19 @@ prints ``{"path", "job_dir", "ok", "steps": [{"step", "dir", "committed", "state
 ``export PATH --step S --out FILE [--format pt|safetensors]`` writes the state of one committed
 step as a single-process flat dict ``{state path: tensor}`` (exact dtypes, bfloat16 included):
 ``pt`` with ``torch.save`` (loads with ``torch.load(..., weights_only=True)``), ``safetensors``
-when that package is installed (default: from FILE's suffix). A data-parallel checkpoint
+written by ftkit itself (default: from FILE's suffix), streaming tensor by tensor
+(:mod:`ftkit.cli.export`). A data-parallel checkpoint
 (tp = pp = 1) holds identical replicas: rank 0's tensors are exported. With tp or pp > 1 the
 shards of the ``dp_idx == 0`` ranks are merged along ``shard_dim`` at ``shard_offset``; a tensor
 held by several of them without shard attributes (``shard_dim == -1``) is an error naming it.
-Non-tensor leaves (ints, floats, strings of the tree) are not exported. Exit 0: written;
-1: the step is incomplete, corrupt or cannot be merged; 2: usage error.
+Non-tensor leaves (ints, floats, strings of the tree) are not exported; every tensor leaf is
+(one torch has no dtype for is an error). Exit 0: written; 1: the step is incomplete, corrupt,
+unreadable or cannot be merged (nothing written); 2: usage error.
+
+All three read in a sandboxed child (:mod:`ftkit.cli.sandbox`): ``--timeout SECONDS``
+(default ``FTKIT_TIMEOUT``) without progress stops it, and a crash of the HDF5 library is
+reported with its signal; ``inspect`` then exits 1, ``verify`` reports the step as bad and
+goes on with the others. PATH that is neither a regular file nor a directory: exit 1.
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,10 +70,11 @@ from typing import Any
 
 OK, BAD, USAGE = 0, 1, 2
 
+from ftkit.cli import sandbox
 from ftkit.cli.export import cmd_export
 from ftkit.cli.scan import (
     Bad,
-    ExportError,
+    BadInput,
     Progress,
     StepRef,
     StepScan,
@@ -74,9 +83,12 @@ from ftkit.cli.scan import (
     _compact,
     _human,
     _progress_enabled,
+    h5py_module,
     resolve,
     scan,
 )
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- output helpers
 
@@ -88,7 +100,10 @@ def _fmt(value: Any) -> str:
 def _when(ts: Any) -> str:
     if not isinstance(ts, (int, float)):
         return "-"
-    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):      # a damaged 'time' attribute
+        return f"? ({ts!r})"
 
 
 def _rich() -> Any:
@@ -142,27 +157,55 @@ def _step_json(sc: StepScan, with_ranks: bool) -> dict[str, Any]:
                       else None)}
 
 
+def read_step(ref: StepRef, args: argparse.Namespace, *, tensors: bool = False,
+              verify: bool = False, progress: Progress | None = None) -> StepScan:
+    """:func:`scan` of one step in a sandboxed child (``args.timeout`` without progress stops
+    it); a reader that stalled or crashed leaves a ``stopped`` scan with that problem."""
+    def work(rep: sandbox.Reporter) -> dict[str, Any]:
+        return scan(ref, tensors=tensors, verify=verify, report=rep).to_json()
+    try:
+        doc = sandbox.run(work, timeout=args.timeout, what=str(ref.h5),
+                          on_progress=None if progress is None else progress.add)
+    except sandbox.SandboxError as exc:
+        sc = StepScan(ref, *ref.state(), stopped=True)
+        sc.problems.append(Bad(exc.where, exc.why))
+        return sc
+    finally:
+        if progress is not None:
+            progress.done()
+    return StepScan.from_json(ref, doc)
+
+
+def _report_stopped(command: str, scans: list[StepScan]) -> bool:
+    """One line on stderr per step whose reader was stopped; whether there was one."""
+    for s in scans:
+        if s.stopped:
+            print(f"ftkit {command}: error: {s.ref.label}: {s.problems[-1]}", file=sys.stderr,
+                  flush=True)
+    return any(s.stopped for s in scans)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     target = resolve(args.path)
     chosen = target.pick(args.step) if args.step is not None or target.single else \
         target.newest()
-    scans = [scan(ref, tensors=ref == chosen) for ref in target.steps]
+    scans = [read_step(ref, args, tensors=ref == chosen) for ref in target.steps]
     if args.json:
         _print_json({"path": str(target.path),
                      "job_dir": None if target.job_dir is None else str(target.job_dir),
                      "selected_step": None if chosen is None else
                      next(s.step for s in scans if s.ref == chosen),
                      "steps": [_step_json(s, s.ref == chosen) for s in scans]})
-        return OK
-    _render_inspect(target, scans, chosen)
-    return OK
+    else:
+        _render_inspect(target, scans, chosen)
+    return BAD if _report_stopped("inspect", scans) else OK
 
 
 def _render_inspect(target: Target, scans: list[StepScan], chosen: StepRef | None) -> None:
     if target.job_dir is not None:
-        jobs = {s.meta.get("job") for s in scans} - {None}
+        jobs = {str(s.meta["job"]) for s in scans if s.meta.get("job") is not None}
         print(f"job directory {target.job_dir}"
-              + (f" (job {', '.join(sorted(map(str, jobs)))})" if jobs else ""))
+              + (f" (job {', '.join(sorted(jobs))})" if jobs else ""))
     if not scans:
         print("no steps")
         return
@@ -229,7 +272,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             sc.problems.append(Bad(str(ref.dir), f"incomplete: {sc.reason}"))
         else:
             progress = Progress(f"verify {ref.label}", _progress_enabled(args.json))
-            sc = scan(ref, verify=True, progress=progress)
+            sc = read_step(ref, args, verify=True, progress=progress)
         results.append(sc)
     ok = bool(results) and not any(s.problems for s in results)
     if args.json:
@@ -243,6 +286,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                 "bad": [dataclasses.asdict(p) for p in s.problems]}
                                for s in results]})
         return OK if ok else BAD
+    _render_verify(target, results, ok)
+    return OK if ok else BAD
+
+
+def _render_verify(target: Target, results: list[StepScan], ok: bool) -> None:
     for s in results:
         if not s.problems:
             print(f"{s.ref.label}: ok ({s.checked} datasets, {_human(s.checked_bytes)})")
@@ -257,7 +305,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         nbad = sum(1 for s in results if s.problems)
         print(f"ftkit verify: {nbad} of {len(results)} step(s) corrupt or incomplete")
-    return OK if ok else BAD
 
 
 # --------------------------------------------------------------------------- entry
@@ -266,14 +313,35 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export}
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``args.command`` (inspect/verify/export); returns the exit status."""
+def _timeout(args: argparse.Namespace) -> float:
+    """``--timeout``, else ``FTKIT_TIMEOUT`` (:class:`ftkit.config.Config`)."""
+    if args.timeout is not None:
+        return float(args.timeout)
+    from ftkit.config import Config
+    from ftkit.errors import ConfigError
     try:
+        return Config.load().timeout
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``args.command`` (inspect/verify/export); returns the exit status: 0 done,
+    1 unusable input (corrupt, incomplete, not a regular file, a reader that stalled or
+    crashed), 2 usage. Never a traceback: an unexpected error is one line too (its traceback
+    at DEBUG level)."""
+    try:
+        args.timeout = _timeout(args)
+        h5py_module()               # imported once here, not in every sandboxed child
         return COMMANDS[args.command](args)
     except UsageError as exc:
         print(f"ftkit {args.command}: error: {exc}", file=sys.stderr, flush=True)
         return USAGE
-    except ExportError as exc:
+    except (BadInput, sandbox.SandboxError) as exc:
         print(f"ftkit {args.command}: error: {exc}", file=sys.stderr, flush=True)
         return BAD
-
+    except Exception as exc:
+        log.debug("ftkit %s failed", args.command, exc_info=True)
+        print(f"ftkit {args.command}: error: {args.path}: unexpected {type(exc).__name__}: "
+              f"{exc}", file=sys.stderr, flush=True)
+        return BAD

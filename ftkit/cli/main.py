@@ -63,7 +63,12 @@ def _positive_float(text: str) -> float:
 
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit run -n N [...] -- CMD [ARGS...]``."""
-    from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, LAUNCHERS, NOT_RETRIED_STATUS
+    from ftkit.launch.relaunch import (
+        DEFAULT_ATTEMPT_TIMEOUT,
+        DEFAULT_STALL_TIMEOUT,
+        LAUNCHERS,
+        NOT_RETRIED_STATUS,
+    )
     run = sub.add_parser(
         "run", help="launch CMD on N ranks and relaunch it on failure",
         description="Launch CMD on N ranks (mpiexec locally); on failure relaunch it with "
@@ -74,7 +79,8 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "does not match the checkpoint) are not retried. Prints one line per "
                     "attempt; exit status: 0 success, "
                     f"{NOT_RETRIED_STATUS}: a rank raised an error that would recur, not "
-                    "retried (the attempt line names it and the rank), 124: timeout, 128+N: "
+                    "retried (the attempt line names it and the rank), 124: an attempt stalled or "
+                    "timed out, 128+N: "
                     "stopped by signal N, else the last attempt's status.")
     run.add_argument("-n", "--np", dest="n", type=_positive_int, required=True, metavar="N",
                      help="number of ranks")
@@ -86,8 +92,18 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help="relaunch at most R times (default 0)")
     run.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                      help="auto: srun inside a Slurm allocation, mpiexec elsewhere")
-    run.add_argument("--attempt-timeout", type=_positive_float, default=DEFAULT_ATTEMPT_TIMEOUT,
-                     metavar="SECONDS", help="kill an attempt after this long (default 86400)")
+    run.add_argument("--attempt-timeout", type=float, default=DEFAULT_ATTEMPT_TIMEOUT,
+                     metavar="SECONDS",
+                     help="wall-clock limit of one attempt (default 0: none; under Slurm the "
+                          "job's time limit bounds the allocation)")
+    run.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
+                     metavar="SECONDS",
+                     help="kill an attempt (status 124, relaunched like a failure) whose job "
+                          "shows no progress for this long: nothing new in "
+                          "$FTKIT_PFS_DIR/<job>/events.jsonl, which rank 0 appends to on "
+                          "restore and at every save, commit and flush (default "
+                          f"{DEFAULT_STALL_TIMEOUT:g}; 0: never). Keep it above the longest "
+                          "time between two checkpoints, and above the restore")
     run.add_argument("--mpiexec", metavar="PATH",
                      help="mpiexec to use (default: next to this Python, then on PATH)")
     run.add_argument("--fresh", action="store_true",
@@ -145,13 +161,22 @@ def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     adv.set_defaults(func=_cmd_advise)
 
 
+_CHECKPOINT_EXIT = (
+    "A damaged file can make the HDF5 library hang or crash, so the files are read in a "
+    "child process: one that reports no progress within --timeout seconds is stopped, one "
+    "that crashes is reported with its signal; either names the file it was reading. ")
+
+
 def _checkpoint_args(p: argparse.ArgumentParser, step_help: str, *, json_flag: bool = True
                      ) -> None:
-    """PATH, --step (and --json) of the HDF5 checkpoint tools."""
+    """PATH, --step, --timeout (and --json) of the HDF5 checkpoint tools."""
     p.add_argument("path", metavar="PATH",
                    help="job directory ($FTKIT_PFS_DIR/<job>), a step-<s> directory or a "
                         "step's ftkit.h5")
     p.add_argument("--step", type=_non_negative_int, metavar="S", help=step_help)
+    p.add_argument("--timeout", type=_positive_float, metavar="SECONDS",
+                   help="stop reading when no progress is made for this long (default: "
+                        "FTKIT_TIMEOUT, 120)")
     if json_flag:
         p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_checkpoint_tool)
@@ -163,7 +188,10 @@ def _add_inspect_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "inspect", help="list the steps of an HDF5 checkpoint and their tensors",
         description="List the steps of a PFS checkpoint (committed or incomplete) with world, "
                     "dp, tp and pp, and every tensor of every rank (path, dtype, shape, bytes) "
-                    "of one step: --step, or the newest committed step.")
+                    "of one step: --step, or the newest committed step; problems found in "
+                    "the files are listed with their step. " + _CHECKPOINT_EXIT +
+                    "Exit 0: listed; 1: PATH is not a regular file or directory, or reading "
+                    "a step was stopped (no progress, crash); 2: usage error.")
     _checkpoint_args(p, "step to list")
 
 
@@ -172,9 +200,11 @@ def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p = sub.add_parser(
         "verify", help="recompute every checksum of an HDF5 checkpoint",
         description="Recompute the checksum of every dataset of the chosen step (default: "
-                    "every step of the job directory) through the index's links. Exit 0: "
-                    "intact; 1: a dataset is corrupt or unreadable, or a step is incomplete; "
-                    "2: usage error.")
+                    "every step of the job directory) through the index's links. "
+                    + _CHECKPOINT_EXIT + "Exit 0: intact; 1: a step is corrupt, incomplete "
+                    "or unreadable (a file missing or not a regular file, a reader stopped; "
+                    "the other steps are still verified), or PATH is not a regular file or "
+                    "directory; 2: usage error.")
     _checkpoint_args(p, "step to verify")
 
 
@@ -184,13 +214,16 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "export", help="write one step as a single-process state dict",
         description="Write the tensors of one committed step as a flat {state path: tensor} "
                     "dict: rank 0's for data-parallel checkpoints, shards merged along "
-                    "shard_dim for TP/PP. Exit 0: written; 1: incomplete, corrupt or "
-                    "unmergeable; 2: usage error.")
+                    "shard_dim for TP/PP; exactly the tensors of the tree(s), or nothing. "
+                    "Streams tensor by tensor (memory of about one tensor); FILE appears "
+                    "only when complete. " + _CHECKPOINT_EXIT + "Exit 0: written; 1: "
+                    "incomplete, corrupt, unmergeable or unreadable (nothing written); 2: "
+                    "usage error.")
     _checkpoint_args(p, "step to export (required for a job directory)", json_flag=False)
     p.add_argument("--out", required=True, metavar="FILE", help="file to write")
     p.add_argument("--format", choices=("pt", "safetensors"),
-                   help="pt: torch.save (default); safetensors: needs that package "
-                        "(default for a .safetensors FILE)")
+                   help="pt: torch.save (default; needs torch); safetensors: written by "
+                        "ftkit itself (default for a .safetensors FILE)")
 
 
 def _cmd_checkpoint_tool(args: argparse.Namespace) -> int:
@@ -256,6 +289,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         spec = RunSpec(n=args.n, cmd=tuple(cmd), ranks_per_node=args.ranks_per_node,
                        spares=args.spares, max_restarts=args.max_restarts,
                        attempt_timeout=args.attempt_timeout,
+                       stall_timeout=args.stall_timeout,
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"))
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg)
@@ -348,6 +382,24 @@ def _clean_targets(cfg: Config) -> dict[Path, _Layout]:
     return targets
 
 
+def _unsafe_local(cfg: Config, found: list[Path]) -> list[Path]:
+    """The node-local job directories in ``found`` that are not this user's private
+    directories (below a private ``FTKIT_LOCAL_DIR``): on a shared ``/dev/shm`` they may be
+    another user's; each refusal is printed."""
+    from ftkit.storage.private import problem
+    base = Path(os.path.abspath(cfg.local_dir))
+    unsafe = []
+    for path in found:
+        if base not in path.parents:
+            continue
+        why = problem(base, directory=True) or problem(path, directory=True)
+        if why is not None:
+            print(f"ftkit clean: refused: {path} (in {base}): {why}; remove it yourself if it "
+                  "is yours", file=sys.stderr)
+            unsafe.append(path)
+    return unsafe
+
+
 def _ignore_vanished(_func: Callable[..., object], _path: str, exc_info: Any) -> None:
     """rmtree error handler: another node's ``ftkit clean`` may remove the same PFS files."""
     if not isinstance(exc_info[1], FileNotFoundError):
@@ -361,15 +413,17 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         return _error("clean", ValueError(f"JOB {job!r} is not a job id (a plain name: no "
                                           "'/', no '..', not empty); nothing removed"))
     try:
-        targets = _clean_targets(Config.load(job=job))
+        cfg = Config.load(job=job)
+        targets = _clean_targets(cfg)
     except ConfigError as exc:
         return _error("clean", exc)
     found = [p for p in targets if os.path.lexists(p)]
     not_dirs = [p for p in found if p.is_symlink() or not p.is_dir()]
-    odd = {p: targets[p].odd(p) for p in found if p not in not_dirs}
     for path in not_dirs:
         print(f"ftkit clean: refused: {path} is not a directory ftkit created (a file or a "
               "symbolic link); remove it yourself", file=sys.stderr)
+    not_dirs += _unsafe_local(cfg, [p for p in found if p not in not_dirs])
+    odd = {p: targets[p].odd(p) for p in found if p not in not_dirs}
     for path, names in odd.items():
         if names and not args.force:
             print(f"ftkit clean: refused: {path} holds entries ftkit does not create: "

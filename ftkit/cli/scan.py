@@ -1,42 +1,66 @@
 """Locate and read the steps of an HDF5 checkpoint (for ``ftkit inspect/verify/export``).
 
-Imports h5py lazily; never mpi4py or torch.
+Every read goes through :class:`ftkit.storage.h5read.StepReader` (COMMITTED digests checked
+before a file is opened, links resolved by ftkit, storage checked against the file size) and
+runs in a child process (:mod:`ftkit.cli.sandbox`), reporting progress to it. Imports h5py
+lazily; never mpi4py or torch.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
 
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage import hdf5
-from ftkit.storage.hdf5 import INDEX
+from ftkit.storage import h5files
+from ftkit.storage.hdf5 import COMMITTED, INDEX
 from ftkit.storage.hdf5 import raw_bytes as _raw
-from ftkit.storage.shard import checksum
 
 OK, BAD, USAGE = 0, 1, 2
-COMMIT_RECORD = "COMMITTED"
-BLOCK_BYTES = 64 << 20          # verify reads datasets in blocks of about this size
-_STEP_DIR = re.compile(r"step-(\d+)")
-_EXPORT_FORMATS = ("pt", "safetensors")
+COMMIT_RECORD = COMMITTED
+BLOCK_BYTES = 64 << 20          # datasets are read in blocks of at most about this size
+_STEP_DIR = re.compile(r"step-(\d{1,18})")
+_RANK = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
 class UsageError(Exception):
     """PATH, ``--step`` or an option cannot be used (exit status 2)."""
 
 
-class ExportError(Exception):
+class BadInput(Exception):
+    """The checkpoint (or a file PATH names) is unusable: not a regular file, corrupt,
+    incomplete (exit status 1)."""
+
+
+class ExportError(BadInput):
     """The chosen step cannot be exported (exit status 1)."""
 
 
-def _h5py() -> Any:
+class Reporter(Protocol):
+    """What the reading code needs of :class:`ftkit.cli.sandbox.Reporter`."""
+
+    def progress(self, where: str | None = None, nbytes: int = 0, datasets: int = 0) -> None:
+        """Now reading ``where``; ``nbytes`` more bytes and ``datasets`` more datasets done."""
+
+
+class _Silent:
+    """A :class:`Reporter` for reading outside a sandbox."""
+
+    def progress(self, where: str | None = None, nbytes: int = 0, datasets: int = 0) -> None:
+        """Nothing."""
+
+
+def h5py_module() -> Any:
+    """h5py (UsageError when it is not installed)."""
     try:
         import h5py
     except ImportError as exc:  # pragma: no cover - h5py is a dependency
@@ -44,10 +68,16 @@ def _h5py() -> Any:
     return h5py
 
 
-def _open(path: Path) -> Any:
-    """Open an HDF5 file read-only without file locks (parallel file systems often refuse
-    them; files of a step are renamed into place whole, so readers need none)."""
-    return _h5py().File(path, "r", locking=False)
+def not_regular(path: Path) -> str | None:
+    """None when ``path`` is a regular file (not a symlink), else why not: "missing",
+    "is a directory", ..."""
+    if not os.path.lexists(path):
+        return "missing"
+    try:
+        h5files.regular_file(path)
+    except CorruptCheckpointError as exc:
+        return exc.reason
+    return None
 
 
 # --------------------------------------------------------------------------- locating steps
@@ -62,15 +92,25 @@ class StepRef:
     h5: Path
 
     def state(self) -> tuple[bool, str | None]:
-        """(committed, why not)."""
-        missing = []
-        if not (self.dir / COMMIT_RECORD).is_file():
-            missing.append(f"no {COMMIT_RECORD} record")
-        if not self.h5.is_file():
-            missing.append(f"{self.h5.name} missing")
-        if not missing:
+        """(committed, why not): committed when ``COMMITTED`` is a regular file and the HDF5
+        file exists (whether either can be trusted is checked when the step is read)."""
+        why, missing = [], False
+        record = not_regular(self.dir / COMMIT_RECORD)
+        if record is not None:
+            missing = record == "missing"
+            why.append(f"no {COMMIT_RECORD} record" if missing else f"{COMMIT_RECORD} {record}")
+        if not os.path.lexists(self.h5):
+            missing = True
+            why.append(f"{self.h5.name} missing")
+        if not why:
             return True, None
-        return False, " and ".join(missing) + " (a flush that crashed or is still running)"
+        return False, " and ".join(why) + (" (a flush that crashed or is still running)"
+                                           if missing else "")
+
+    @property
+    def own_index(self) -> bool:
+        """Whether the file is the step's own index (its COMMITTED digests apply)."""
+        return self.h5 == self.dir / INDEX
 
     @property
     def label(self) -> str:
@@ -123,8 +163,8 @@ def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
 
 
 def _is_step_dir(directory: Path) -> bool:
-    return (_step_number(directory) is not None or (directory / INDEX).exists()
-            or (directory / COMMIT_RECORD).exists() or any(directory.glob("node-*.h5")))
+    return (_step_number(directory) is not None or os.path.lexists(directory / INDEX)
+            or os.path.lexists(directory / COMMIT_RECORD) or any(directory.glob("node-*.h5")))
 
 
 def _job_of(step_dir: Path) -> Path | None:
@@ -132,21 +172,22 @@ def _job_of(step_dir: Path) -> Path | None:
 
 
 def resolve(text: str) -> Target:
-    """Interpret PATH (raises UsageError)."""
+    """Interpret PATH (UsageError; BadInput when it is neither a regular file nor a
+    directory)."""
     path = Path(text)
     try:
         if not path.exists():
             raise UsageError(f"{path}: no such file or directory")
-        if path.is_file():
+        if not path.is_dir():
+            if not path.is_file():
+                raise BadInput(f"{path}: {_kind(path)}, not a regular file or directory")
             d = path.parent
             return Target(path, _job_of(d), [StepRef(_step_number(d), d, path)], True)
-        if not path.is_dir():
-            raise UsageError(f"{path}: not a file or directory")
         steps = _step_dirs(path)
         if not steps and _is_step_dir(path):
             ref = StepRef(_step_number(path), path, path / INDEX)
             return Target(path, _job_of(path), [ref], True)
-        if steps or (path / "events.jsonl").is_file():
+        if steps or os.path.lexists(path / "events.jsonl"):
             return Target(path, path, [StepRef(n, d, d / INDEX) for n, d in steps], False)
         jobs = sorted(p.name for p in path.iterdir() if p.is_dir() and _step_dirs(p))
     except PermissionError as exc:
@@ -154,6 +195,16 @@ def resolve(text: str) -> Target:
     hint = f"; it holds the job directories {', '.join(jobs)}" if jobs else ""
     raise UsageError(f"{path}: neither a job directory (with step-<s> directories) nor a step "
                      f"directory{hint}")
+
+
+def _kind(path: Path) -> str:
+    """``is a FIFO``, ``is a socket``, ... (PATH's kind, links followed)."""
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return f"is {name}"
+    return "is not a regular file"
 
 
 # --------------------------------------------------------------------------- reading a step
@@ -171,7 +222,8 @@ class Bad:
 
 @dataclasses.dataclass
 class StepScan:
-    """What was read of one step."""
+    """What was read of one step. ``stopped``: the reader was stopped (no progress, or the
+    HDF5 library crashed), so the step could not be read to the end."""
 
     ref: StepRef
     committed: bool
@@ -182,28 +234,39 @@ class StepScan:
     problems: list[Bad] = dataclasses.field(default_factory=list)
     checked: int = 0
     checked_bytes: int = 0
+    stopped: bool = False
 
     @property
     def step(self) -> int | None:
         if self.ref.step is not None:
             return self.ref.step
         step = self.meta.get("step")
-        return step if isinstance(step, int) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     @property
     def files(self) -> list[str]:
         return sorted(p.name for p in self.ref.dir.glob("node-*.h5"))
 
+    def add(self, where: str, why: str) -> None:
+        """Record a problem once (ranks in one damaged node file all hit the same one)."""
+        bad = Bad(where, why)
+        if bad not in self.problems:
+            self.problems.append(bad)
 
-def _py(value: Any) -> Any:
-    """An attribute value as plain Python (numbers, strings, lists)."""
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+    def to_json(self) -> dict[str, Any]:
+        """What the sandboxed reader sends back (``ref`` stays with the parent)."""
+        return {"committed": self.committed, "reason": self.reason, "meta": self.meta,
+                "ranks": [[r, e] for r, e in self.ranks.items()],
+                "rank_info": [[r, i] for r, i in self.rank_info.items()],
+                "problems": [[p.where, p.why] for p in self.problems],
+                "checked": self.checked, "checked_bytes": self.checked_bytes}
+
+    @classmethod
+    def from_json(cls, ref: StepRef, doc: dict[str, Any]) -> StepScan:
+        return cls(ref, doc["committed"], doc["reason"], doc["meta"],
+                   {r: e for r, e in doc["ranks"]}, {r: i for r, i in doc["rank_info"]},
+                   [Bad(w, y) for w, y in doc["problems"]], doc["checked"],
+                   doc["checked_bytes"])
 
 
 def _why(exc: BaseException) -> str:
@@ -213,22 +276,46 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES) -> str:
-    """xxh3-64 of a dataset's bytes in C order (the value :func:`ftkit.storage.shard.checksum`
-    gives for the whole array), read in blocks of about ``block_bytes`` along the first axis."""
+def block_slices(shape: Sequence[int], itemsize: int, block_bytes: int = BLOCK_BYTES
+                 ) -> Iterator[tuple[Any, ...]]:
+    """Index tuples that read an array of ``shape`` in C order in pieces of at most about
+    ``block_bytes`` (slices along the outermost axis whose inner part fits a block)."""
+    inner, k = max(1, itemsize), len(shape) - 1
+    while k > 0 and inner * shape[k] <= block_bytes:
+        inner *= shape[k]
+        k -= 1
+    step = max(1, block_bytes // inner)
+    for outer in np.ndindex(*shape[:k]):
+        for start in range(0, shape[k], step):
+            yield (*outer, slice(start, start + step))
+
+
+def iter_blocks(ds: Any, block_bytes: int = BLOCK_BYTES) -> Iterator[np.ndarray]:
+    """A dataset's bytes in C order as flat uint8 arrays of at most about ``block_bytes``."""
     shape = ds.shape
     if shape is None:                                  # HDF5 null dataspace
-        return checksum(b"")
+        return
     if len(shape) == 0 or ds.nbytes <= block_bytes:
-        return checksum(_raw(ds[()]))
+        yield _raw(ds[()])
+        return
+    for index in block_slices(shape, ds.dtype.itemsize, block_bytes):
+        yield _raw(ds[index])
+
+
+def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES,
+                     on_block: Callable[[int], None] | None = None) -> str:
+    """xxh3-64 of a dataset's bytes in C order (the value :func:`ftkit.storage.shard.checksum`
+    gives for the whole array), read in blocks of about ``block_bytes``; ``on_block(n)``
+    after each block of ``n`` bytes."""
     h = xxhash.xxh3_64()
-    rows = max(1, block_bytes // max(1, ds.nbytes // shape[0]))
-    for start in range(0, shape[0], rows):
-        h.update(_raw(ds[start:start + rows]).data)
+    for block in iter_blocks(ds, block_bytes):
+        h.update(block.data)
+        if on_block is not None:
+            on_block(block.nbytes)
     return "xxh3-64:" + h.hexdigest()
 
 
-def _entry(entry: dict[str, Any], file: Path) -> dict[str, Any]:
+def _entry(entry: dict[str, Any], file: Path | str) -> dict[str, Any]:
     """The JSON description of one verified tensor entry (:class:`hdf5.RankGroup`)."""
     return {"path": entry["path"], "dtype": entry["dtype"], "kind": entry["kind"],
             "shape": entry["shape"], "nbytes": entry["nbytes"], "checksum": entry["checksum"],
@@ -237,7 +324,7 @@ def _entry(entry: dict[str, Any], file: Path) -> dict[str, Any]:
 
 
 def _rank_key(name: str) -> tuple[int, str]:
-    return (int(name), "") if name.isdigit() else (1 << 62, name)
+    return (int(name), "") if _RANK.fullmatch(name) else (1 << 62, name)
 
 
 def _compact(numbers: Sequence[int]) -> str:
@@ -256,15 +343,15 @@ def _compact(numbers: Sequence[int]) -> str:
 
 class Progress:
     """A one-line counter on stderr (at most 10 updates a second), shown only when stdout and
-    stderr are terminals."""
+    stderr are terminals; fed by the reader's reports."""
 
     def __init__(self, label: str, enabled: bool) -> None:
         self.label, self.enabled = label, enabled
         self.count = self.nbytes = 0
         self._shown = 0.0
 
-    def add(self, nbytes: int) -> None:
-        self.count += 1
+    def add(self, nbytes: int, datasets: int = 1) -> None:
+        self.count += datasets
         self.nbytes += nbytes
         now = time.monotonic()
         if self.enabled and now - self._shown >= 0.1:
@@ -283,93 +370,97 @@ def _progress_enabled(as_json: bool) -> bool:
     return not as_json and sys.stdout.isatty() and sys.stderr.isatty()
 
 
+def open_step(ref: StepRef) -> Any:
+    """A :class:`StepReader` over ``ref``: the step's index, checked against the step's
+    COMMITTED digests when it has them, or the one file PATH named."""
+    from ftkit.storage.h5read import StepReader
+    return StepReader(ref.dir, ref.step, file=None if ref.own_index else ref.h5)
+
+
 def scan(ref: StepRef, *, tensors: bool = False, verify: bool = False,
-         progress: Progress | None = None) -> StepScan:
+         report: Reporter | None = None) -> StepScan:
     """Read one step: index attributes; with ``tensors`` every rank's tensor entries and
     structural checks; with ``verify`` also every dataset's checksum. Nothing is used before
-    its metadata checksum is verified (:mod:`ftkit.storage.hdf5`). Problems are recorded,
-    never raised."""
+    it is verified (:mod:`ftkit.storage.h5read`). Problems are recorded, never raised;
+    ``report`` hears what is read. Run it in a sandbox: a damaged file can hang or crash
+    the HDF5 library."""
+    rep: Reporter = report or _Silent()
     committed, reason = ref.state()
     sc = StepScan(ref, committed, reason)
-    if not ref.h5.is_file():
+    if not os.path.lexists(ref.h5):
         return sc
-    h5py = _h5py()
+    rep.progress(str(ref.h5))
     try:
-        with _open(ref.h5) as h5:
-            sc.meta = {k: _py(v) for k, v in h5.attrs.items() if k != hdf5.META}
-            try:
-                hdf5.check_root(h5, str(ref.h5), step=ref.step)
-            except CorruptCheckpointError as exc:
-                sc.problems.append(Bad(exc.path, exc.reason))
-            else:
-                if tensors or verify:
-                    _scan_ranks(sc, h5, h5py, verify, progress)
+        with open_step(ref) as reader:
+            sc.meta = dict(reader.meta)
+            if tensors or verify:
+                _scan_ranks(sc, reader, verify, rep)
+    except CorruptCheckpointError as exc:
+        sc.add(exc.path, exc.reason)
     except Exception as exc:  # noqa: BLE001 - any library error is a damaged file
-        sc.problems.append(Bad(str(ref.h5), f"cannot read: {_why(exc)}"))
-    if progress is not None:
-        progress.done()
+        sc.add(str(ref.h5), f"cannot read: {type(exc).__name__}: {_why(exc)}")
     return sc
 
 
-def _scan_ranks(sc: StepScan, h5: Any, h5py: Any, verify: bool,
-                progress: Progress | None) -> None:
-    ref = sc.ref
-    ranks = h5.get("rank")
-    if ranks is None:
-        sc.problems.append(Bad(str(ref.h5), "no /rank group: not an ftkit checkpoint file"))
-        return
-    names = sorted(ranks, key=_rank_key)
+def rank_names(reader: Any) -> list[str]:
+    """Member names of the file's plain ``/rank`` group, ranks first in numeric order
+    (CorruptCheckpointError when there is none)."""
+    h5py = h5py_module()
+    top = reader.h5.get("rank", getlink=True)
+    grp = reader.h5.get("rank") if isinstance(top, h5py.HardLink) else None
+    if not isinstance(grp, h5py.Group):
+        raise CorruptCheckpointError(str(reader.path), "no plain /rank group: not an ftkit "
+                                     "checkpoint file", step=reader.step, level="pfs")
+    return sorted(grp, key=_rank_key)
+
+
+def link_target(reader: Any, name: str) -> str:
+    """``file:/object`` that ``/rank/<name>`` of the open file leads to (for messages)."""
+    link = reader.h5["rank"].get(name, getlink=True)
+    target = getattr(link, "filename", None)
+    if isinstance(target, str):
+        return f"{reader.step_dir / target}:{link.path}"
+    return f"{reader.path}:/rank/{name}"
+
+
+def _scan_ranks(sc: StepScan, reader: Any, verify: bool, rep: Reporter) -> None:
+    names = rank_names(reader)
     world = sc.meta.get("world")
-    linked = [int(n) for n in names if n.isdigit()]
-    if isinstance(world, int) and sorted(linked) != list(range(world)):
-        sc.problems.append(Bad(f"{ref.h5}:/rank", f"links ranks [{_compact(linked)}] but world "
-                                                  f"is {world}"))
+    linked = [int(n) for n in names if _RANK.fullmatch(n)]
+    if isinstance(world, int) and (len(linked) != world or linked != list(range(world))):
+        sc.add(f"{reader.path}:/rank", f"links ranks [{_compact(linked)}] but world is {world}")
     for name in names:
-        where = f"{ref.h5}:/rank/{name}"
-        if not name.isdigit():
-            sc.problems.append(Bad(where, "not a rank number"))
+        where = f"{reader.path}:/rank/{name}"
+        if not _RANK.fullmatch(name):
+            sc.add(where, "not a rank number")
             continue
-        rank = int(name)
-        link = ranks.get(name, getlink=True)
-        file = ref.h5
-        if isinstance(link, h5py.ExternalLink):
-            file = ref.h5.parent / link.filename
+        rep.progress(link_target(reader, name))
         try:
-            grp = ranks[name]
-        except Exception as exc:  # noqa: BLE001 - any library error: does not resolve
-            target = (f"{link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink)
-                      else name)
-            sc.problems.append(Bad(where, f"link to {target} does not resolve ({_why(exc)})"))
-            continue
-        try:
-            group = hdf5.RankGroup.load(grp, file, rank=rank, step=sc.step,
-                                        world=world if isinstance(world, int) else None)
+            group = reader.group(int(name))
         except CorruptCheckpointError as exc:
-            sc.problems.append(Bad(exc.path, exc.reason))
+            sc.add(exc.path, exc.reason)
             continue
-        _scan_rank(sc, rank, group, file, verify, progress)
+        _scan_rank(sc, int(name), group, verify, rep)
 
 
-def _scan_rank(sc: StepScan, rank: int, group: hdf5.RankGroup, file: Path, verify: bool,
-               progress: Progress | None) -> None:
-    sc.rank_info[rank] = {"file": str(file), **group.topology}
-    sc.ranks[rank] = [_entry(e, file) for e in group.entries]
+def _scan_rank(sc: StepScan, rank: int, group: Any, verify: bool, rep: Reporter) -> None:
+    sc.rank_info[rank] = {"file": group.file, **group.topology}
+    sc.ranks[rank] = [_entry(e, group.file) for e in group.entries]
     if not verify:
         return
     for entry, ds in zip(group.entries, group.datasets):
-        ds_where = f"{file}:{ds.name}"
+        ds_where = f"{group.file}:{ds.name}"
+        rep.progress(ds_where)
         try:
-            got = dataset_checksum(ds)
+            got = dataset_checksum(ds, on_block=lambda n: rep.progress(nbytes=n))
         except Exception as exc:  # noqa: BLE001 - any library error: unreadable
-            sc.problems.append(Bad(ds_where, f"unreadable data: {_why(exc)}"))
+            sc.add(ds_where, f"unreadable data: {type(exc).__name__}: {_why(exc)}")
             continue
         if got != entry["checksum"]:
-            sc.problems.append(Bad(ds_where, f"checksum mismatch: stored {entry['checksum']}, "
-                                             f"data has {got}"))
+            sc.add(ds_where, f"checksum mismatch: stored {entry['checksum']}, data has {got}")
         sc.checked += 1
         sc.checked_bytes += entry["nbytes"]
-        if progress is not None:
-            progress.add(entry["nbytes"])
+        rep.progress(datasets=1)
 
 
 def _human(n: float) -> str:

@@ -170,6 +170,19 @@ def build_command(n: int, cmd: Sequence[str], flavor: str, mpiexec: str = "mpiex
     return [mpiexec, *_FLAVOR_ARGS[flavor], *extra, "-n", str(n), *rewrite_python(cmd)]
 
 
+_RUN_AS_ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+
+
+def root_vars_added(base_env: Mapping[str, str], flavor: str, as_root: bool | None = None
+                    ) -> list[str]:
+    """The ``OMPI_ALLOW_RUN_AS_ROOT*`` variables :func:`launch_env` sets to ``1``: Open MPI
+    started as root (``as_root`` defaults to the effective uid), those not in ``base_env``."""
+    root = os.geteuid() == 0 if as_root is None else as_root
+    if flavor != OPENMPI or not root:
+        return []
+    return [key for key in _RUN_AS_ROOT_VARS if key not in base_env]
+
+
 def launch_env(base_env: Mapping[str, str], flavor: str, *, as_root: bool | None = None,
                pmix_gds_hash: bool = False) -> dict[str, str]:
     """A copy of ``base_env`` with what the launcher needs.
@@ -180,10 +193,8 @@ def launch_env(base_env: Mapping[str, str], flavor: str, *, as_root: bool | None
     ``base_env`` win.
     """
     env = dict(base_env)
-    root = os.geteuid() == 0 if as_root is None else as_root
-    if flavor == OPENMPI and root:
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    for key in root_vars_added(base_env, flavor, as_root):
+        env[key] = "1"
     if pmix_gds_hash:
         env.setdefault("PMIX_MCA_gds", "hash")
     return env
@@ -199,10 +210,20 @@ class MpiexecLauncher:
     name: str = "mpiexec"
 
     @classmethod
-    def detect(cls, mpiexec: str | None = None) -> MpiexecLauncher:
-        """Find ``mpiexec`` (or resolve the one given) and query its flavour."""
+    def detect(cls, mpiexec: str | None = None,
+               env: Mapping[str, str] | None = None) -> MpiexecLauncher:
+        """Find ``mpiexec`` (or resolve the one given) and query its flavour.
+
+        Called once per ``ftkit run``: when its attempts (launched with ``env``, default
+        ``os.environ``) will run Open MPI as root, a WARNING says so here, not per attempt."""
         path = resolve_mpiexec(mpiexec) if mpiexec else find_mpiexec()
-        return cls(path=path, flavor=query_flavor(path))
+        launcher = cls(path=path, flavor=query_flavor(path))
+        added = root_vars_added(os.environ if env is None else env, launcher.flavor)
+        if added:
+            log.warning("running Open MPI as root: every attempt gets %s (Open MPI refuses "
+                        "root otherwise); export them yourself to silence this warning",
+                        " and ".join(f"{key}=1" for key in added))
+        return launcher
 
     def command(self, n: int, cmd: Sequence[str]) -> list[str]:
         """Launcher argv for ``n`` ranks of ``cmd``."""

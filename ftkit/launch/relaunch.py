@@ -3,9 +3,14 @@
 An attempt succeeds only when the launcher exits 0 **and** the job wrote its completion marker
 (``$FTKIT_DONE_FILE``, written by rank 0 once every rank has returned from
 ``Checkpointer.close()``): under ULFM a SIGKILLed rank can leave ``mpiexec`` exiting 0. Every
-attempt runs in its own session (process group) under a timeout; on timeout the group gets
-SIGTERM, then SIGKILL after a grace period. SIGINT/SIGTERM sent to ``ftkit run`` are forwarded
-to the running attempt's group and stop the loop.
+attempt runs in its own session (process group) under a watchdog (:class:`AttemptWatch`): an
+attempt whose job shows no progress for ``--stall-timeout`` seconds (default
+:data:`DEFAULT_STALL_TIMEOUT`; progress: the job's ``events.jsonl``, which rank 0 appends to on
+restore and at every save, commit and flush, changed, or the attempt just started) or that
+runs past ``--attempt-timeout`` (default: no wall-clock limit; under Slurm the allocation's
+time limit bounds it) gets SIGTERM, then SIGKILL after a grace period, and ends with
+:data:`TIMEOUT_STATUS` (retried like any other failure). SIGINT/SIGTERM sent to ``ftkit run``
+are forwarded to the running attempt's group and stop the loop.
 
 Each attempt prints exactly one line to stdout and appends events (``launch``, ``attempt-end``,
 ``relaunch``, ``done`` / ``gave-up``) to the job's ``events.jsonl``.
@@ -22,9 +27,10 @@ of ``ftkit run --fresh`` (or ``FTKIT_START=fresh``), which starts over; its rela
 what it committed, and so does a requeued Slurm job.
 
 Exit status of ``ftkit run``: 0 success; :data:`NOT_RETRIED_STATUS` (3) a recurring error, not
-retried; :data:`TIMEOUT_STATUS` (124) the last attempt timed out; :data:`REQUEUE_FAILED_STATUS`
-(75) Slurm could not requeue; 128+N interrupted by signal N; otherwise the last attempt's exit
-status (a launcher that exited 0 without the completion marker: 1).
+retried; :data:`TIMEOUT_STATUS` (124) the last attempt stalled or timed out;
+:data:`REQUEUE_FAILED_STATUS` (75) Slurm could not requeue; 128+N interrupted by signal N;
+otherwise the last attempt's exit status (a launcher that exited 0 without the completion
+marker: 1).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -52,7 +59,8 @@ from ftkit.launch.mpiexec import MpiexecLauncher
 log = logging.getLogger(__name__)
 
 LAUNCHERS = ("auto", "mpiexec", "srun")
-DEFAULT_ATTEMPT_TIMEOUT = 86400.0
+DEFAULT_ATTEMPT_TIMEOUT = 0.0      # no wall-clock limit per attempt (0: none)
+DEFAULT_STALL_TIMEOUT = 3600.0     # an attempt without a checkpoint event this long is hung
 DEFAULT_KILL_GRACE = 5.0
 TIMEOUT_STATUS = 124
 REQUEUE_FAILED_STATUS = 75          # EX_TEMPFAIL: resubmit to continue
@@ -86,7 +94,7 @@ def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
     env = os.environ if env is None else env
     if choice not in LAUNCHERS:
         raise LaunchError(f"unknown launcher {choice!r}; valid: {', '.join(LAUNCHERS)}")
-    mpi = MpiexecLauncher.detect(mpiexec)
+    mpi = MpiexecLauncher.detect(mpiexec, env)
     in_allocation = "SLURM_JOB_ID" in env or "SLURM_JOBID" in env
     if choice == "srun" or (choice == "auto" and in_allocation and not mpiexec):
         from ftkit.slurm.env import SlurmEnv
@@ -111,7 +119,8 @@ class RunSpec:
     ranks_per_node: int | None = None
     spares: int = 0
     max_restarts: int = 0
-    attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT
+    attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT     # seconds; 0: no wall-clock limit
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT         # seconds; 0: no progress watchdog
     kill_grace: float = DEFAULT_KILL_GRACE
     fresh: bool = False                  # attempt 0 starts over (FTKIT_START=fresh)
 
@@ -126,19 +135,26 @@ class RunSpec:
                    f"--ranks-per-node must be >= 1, got {self.ranks_per_node}"),
                   (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
                   (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
-                  (self.attempt_timeout > 0,
-                   f"--attempt-timeout must be > 0 seconds, got {self.attempt_timeout}"),
+                  _seconds_ok(self.attempt_timeout, "--attempt-timeout", "no limit"),
+                  _seconds_ok(self.stall_timeout, "--stall-timeout", "no watchdog"),
                   (self.kill_grace >= 0, f"kill grace must be >= 0, got {self.kill_grace}"))
         for ok, message in checks:
             if not ok:
                 raise LaunchError(message)
 
 
+def _seconds_ok(value: float, option: str, zero: str) -> tuple[bool, str]:
+    """A ``(ok, message)`` check of a limit in seconds: finite and >= 0 (0 means ``zero``)."""
+    return (math.isfinite(value) and value >= 0,
+            f"{option} must be a finite number of seconds >= 0 (0: {zero}), got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AttemptResult:
     """Outcome of one attempt.
 
-    ``rc`` is the launcher's exit code (128+N when killed by signal N, ``None`` on timeout);
+    ``rc`` is the launcher's exit code (128+N when killed by signal N, ``None`` when the
+    watchdog ended it: a stall or a timeout);
     ``status`` is what ``ftkit run`` exits with if this is the last attempt; ``fatal`` is the
     record of an error that would recur (the attempt is then not retried).
     """
@@ -194,18 +210,25 @@ def signame(signum: int) -> str:
         return f"signal {signum}"
 
 
+def stall_reason(seconds: float) -> str:
+    """Why an attempt without progress for ``seconds`` was ended (pure)."""
+    return f"no progress for {seconds:g} s (no checkpoint event)"
+
+
 def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
-          interrupted: int | None = None, fatal: Mapping[str, Any] | None = None
-          ) -> AttemptResult:
+          interrupted: int | None = None, fatal: Mapping[str, Any] | None = None, *,
+          stalled: float | None = None) -> AttemptResult:
     """Turn what was observed into an :class:`AttemptResult` (pure).
 
     ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
-    when the attempt timed out. ``fatal`` (a rank's record of an error that would recur)
-    makes a failed attempt final, unless ``ftkit run`` was interrupted.
+    when the watchdog ended the attempt: after ``stalled`` seconds without progress when that
+    is given, else at the ``timeout``. ``fatal`` (a rank's record of an error that would
+    recur) makes a failed attempt final, unless ``ftkit run`` was interrupted.
     """
     rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
     if returncode is None:
-        reason, status, ok = f"timeout after {timeout:g} s", TIMEOUT_STATUS, False
+        reason = stall_reason(stalled) if stalled is not None else f"timeout after {timeout:g} s"
+        status, ok = TIMEOUT_STATUS, False
     elif returncode < 0:
         reason, status, ok = f"launcher killed by {signame(-returncode)}", 128 - returncode, False
     elif rc == 0 and marker:
@@ -312,11 +335,48 @@ def _terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
         return proc.wait()
 
 
-def _wait(proc: subprocess.Popen[bytes], deadline: float, grace: float,
+class AttemptWatch:
+    """The watchdog of one running attempt: its wall-clock limit and its progress.
+
+    ``timeout`` (0: none) counts from ``start``; ``stall`` (0: none) from the last progress:
+    the start, or the last check that found ``events`` (the job's event log) changed in
+    size, modification time or identity. Checked by the launcher's wait loop only; a
+    monotonic clock is passed in, so a test can drive it.
+    """
+
+    def __init__(self, start: float, timeout: float, stall: float, events: Path | None
+                 ) -> None:
+        self.deadline = start + timeout if timeout else math.inf
+        self.stall, self.events = stall, events
+        self.why: str | None = None            # "timeout" or "stall" once expired
+        self._mark = self._stat()
+        self._progress_at = start
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.events) if self.events is not None else None
+        except OSError:
+            return None
+        return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def expired(self, now: float) -> bool:
+        """Whether the attempt must end at ``now`` (:attr:`why` then says which limit)."""
+        if now >= self.deadline:
+            self.why = "timeout"
+        elif self.stall and self.events is not None:
+            mark = self._stat()
+            if mark != self._mark:
+                self._mark, self._progress_at = mark, now
+            elif now >= self._progress_at + self.stall:
+                self.why = "stall"
+        return self.why is not None
+
+
+def _wait(proc: subprocess.Popen[bytes], watch: AttemptWatch, grace: float,
           interrupt: _Interrupt) -> int | None:
-    """Wait for the launcher; ``None`` on timeout (the group is then terminated)."""
+    """Wait for the launcher; ``None`` when ``watch`` expired (the group is then terminated)."""
     while True:
-        limit = deadline
+        limit = watch.deadline
         if interrupt.signum is not None:
             limit = min(limit, interrupt.at + grace)
         try:
@@ -326,18 +386,19 @@ def _wait(proc: subprocess.Popen[bytes], deadline: float, grace: float,
             if interrupt.signum is not None and now >= interrupt.at + grace:
                 signal_group(proc.pid, signal.SIGKILL)
                 return proc.wait()
-            if now >= deadline:
+            if watch.expired(now):
                 _terminate(proc, grace)
                 return None
 
 
 def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path,
                 base_env: Mapping[str, str], interrupt: _Interrupt | None = None,
-                fatal_dir: Path | None = None) -> AttemptResult:
-    """Launch one attempt, wait for it under the timeout, and judge it.
+                fatal_dir: Path | None = None, events: Path | None = None) -> AttemptResult:
+    """Launch one attempt, wait for it under its :class:`AttemptWatch`, and judge it.
 
     ``fatal_dir`` (made empty before, read and removed after) is the attempt's
-    ``FTKIT_FATAL_DIR``.
+    ``FTKIT_FATAL_DIR``; ``events`` is the job's event log, whose growth is the attempt's
+    progress (without it, ``spec.stall_timeout`` is not watched).
     """
     interrupt = interrupt or _Interrupt()
     argv = launcher.command(spec.n, spec.cmd)
@@ -353,9 +414,10 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
+    watch = AttemptWatch(start, spec.attempt_timeout, spec.stall_timeout, events)
     try:
         interrupt.attach(proc.pid)
-        rc = _wait(proc, start + spec.attempt_timeout, spec.kill_grace, interrupt)
+        rc = _wait(proc, watch, spec.kill_grace, interrupt)
     finally:
         interrupt.attach(None)
         signal_group(proc.pid, signal.SIGKILL)     # ranks the launcher left behind
@@ -364,8 +426,12 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     if fatal_dir is not None:
         fatal = read_fatal(fatal_dir)
         shutil.rmtree(fatal_dir, ignore_errors=True)
+    if watch.why == "stall":
+        log.warning("attempt %d: %s did not change for %g s: the job is taken as hung",
+                    attempt, events, spec.stall_timeout)
     return judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
-                 interrupt.signum, fatal)
+                 interrupt.signum, fatal,
+                 stalled=spec.stall_timeout if watch.why == "stall" else None)
 
 
 def _empty_dir(path: Path) -> None:
@@ -409,7 +475,7 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
                    start=spec.start(attempt), **_placement(launcher))
             done = done_file_path(cfg, attempt)
             result = run_attempt(launcher, spec, attempt, done, base_env, interrupt,
-                                 fatal_dir_path(cfg, attempt))
+                                 fatal_dir_path(cfg, attempt), cfg.events_path)
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    **_fatal_fields(result))

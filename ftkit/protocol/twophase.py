@@ -52,7 +52,6 @@ class Outcome:
     failures: dict[int, str]
     seconds: float
     stop: bool = False       # the coordinator saw a stop request (time limit near)
-    flush_failures: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> why
 
 
 class ProtocolMismatch(CheckpointError):
@@ -61,19 +60,16 @@ class ProtocolMismatch(CheckpointError):
 
 class TwoPhase:
     """Runs the protocol for one rank. ``before_write`` is called by every rank right before
-    its tentative shard is written (the checkpointer uses it for retention).
-    ``flush_report`` returns this rank's PFS flush failures not reported yet (``{step: why}``,
-    JSON keys): they travel with the vote, and the decision carries their union, so every
-    rank learns of them in the same protocol run. ``identity`` is added to every COMMITTED
-    record (run id, layout, rank to node map)."""
+    its tentative shard is written (the checkpointer uses it for retention). ``identity`` is
+    added to every COMMITTED record (run id, layout, rank to node map). PFS flushes are not
+    part of a protocol run: their outcome is agreed inside ``PfsLevel.flush`` and never
+    raised (docs/protocol.md, "A failed flush is a warning")."""
 
     def __init__(self, dc: DistComm, levels: dict[str, Level], faults: Faults,
                  before_write: Callable[[int], None], emit: Callable[..., None],
                  stop_requested: Callable[[], bool] = lambda: False,
-                 flush_report: Callable[[], dict[str, str]] = dict,
                  identity: dict[str, Any] | None = None) -> None:
         self.dc = dc
-        self.flush_report = flush_report
         self.identity = identity or {}
         self.stop_requested = stop_requested   # polled by the coordinator in ``decide``
         self.levels = levels
@@ -94,7 +90,7 @@ class TwoPhase:
             self.faults.fire("vote", step)
         except Exception as exc:  # noqa: BLE001 - a failing voter votes no
             failure = failure or describe(exc)
-        vote = {"step": step, "failure": failure, "flush": self.flush_report()}
+        vote = {"step": step, "failure": failure}
         votes = self.dc.gather(vote, "vote", step, root=COORDINATOR)
         decision = self._decide(step, votes, snap.levels) if votes is not None else None
         if decision is not None:
@@ -109,8 +105,7 @@ class TwoPhase:
         late_failures = self.dc.agree(late, "commit", step)
         failures = {int(r): f for r, f in decision["failures"].items()} | late_failures
         out = Outcome(step, decision["commit"], failures, time.monotonic() - t0,
-                      stop=bool(decision.get("stop")),
-                      flush_failures={int(s): f for s, f in decision["flush"].items()})
+                      stop=bool(decision.get("stop")))
         if self.dc.rank == COORDINATOR:
             self.emit("commit" if out.committed else "abort", step=step,
                       seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
@@ -171,15 +166,11 @@ class TwoPhase:
 
     def _decide(self, step: int, votes: list[dict[str, Any]], levels: tuple[str, ...]
                 ) -> dict[str, Any]:
-        """Coordinator: decide, record a commit durably, then return the announcement (with
-        the union of the flush failures the ranks reported)."""
+        """Coordinator: decide, record a commit durably, then return the announcement."""
         failures = {r: v["failure"] for r, v in enumerate(votes) if v["failure"] is not None}
         for r, v in enumerate(votes):
             if v["step"] != step:
                 failures[r] = f"voted for step {v['step']} in the protocol of step {step}"
-        flush: dict[str, str] = {}
-        for v in votes:
-            flush.update(v["flush"])
         commit = not failures
         try:
             self.faults.fire("decide", step)
@@ -189,7 +180,7 @@ class TwoPhase:
         except Exception as exc:  # noqa: BLE001 - no durable record: abort
             failures[self.dc.rank] = describe(exc)
             commit = False
-        return {"step": step, "commit": commit, "failures": failures, "flush": flush,
+        return {"step": step, "commit": commit, "failures": failures,
                 "stop": self.stop_requested()}
 
     def _finish(self, step: int, decision: dict[str, Any], levels: tuple[str, ...]
@@ -218,14 +209,8 @@ def commit_record(step: int, world: int, levels: Sequence[str], **extra: Any
 
 
 def raise_if_failed(out: Outcome) -> None:
-    """Raise the same CheckpointError on every rank if ``out`` reports failures (of its own
-    step, or of PFS flushes reported in it)."""
-    flush = "; ".join(f"step {s}: {why}" for s, why in sorted(out.flush_failures.items()))
+    """Raise the same CheckpointError on every rank if ``out`` reports failures."""
     if out.failures:
         state = "committed, but" if out.committed else "aborted;"
         raise CheckpointError(out.step, out.failures, message=(
-            f"checkpoint of step {out.step} {state} failures"
-            + (f" (and a PFS flush failed: {flush})" if flush else "")))
-    if out.flush_failures:
-        raise CheckpointError(min(out.flush_failures), {}, message=(
-            f"PFS flush failed (the node-local levels hold step {out.step}): {flush}"))
+            f"checkpoint of step {out.step} {state} failures"))

@@ -9,16 +9,21 @@ one-line reason (logged, ``restore-skip`` event); restore then tries the next ol
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
+import threading
+import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
 from ftkit.capture.flatten import TensorLeaf, leaf_from_bytes, unflatten
-from ftkit.comm.dist import DistComm
-from ftkit.errors import CheckpointError, CorruptCheckpointError, FtkitError
+from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
+from ftkit.errors import CheckpointError
+from ftkit.recovery.plan import one_line
 from ftkit.recovery.restore import apply_agreed
 from ftkit.storage import hdf5
+from ftkit.storage.h5read import StepReader
 from ftkit.storage.pfs import PfsLevel
 
 log = logging.getLogger(__name__)
@@ -85,7 +90,7 @@ def check_dp_replicas(step_dir: Path, step: int, replicas: list[int]) -> None:
     state: compare the per-tensor checksums (verified metadata, no data read) of the saved
     ``replicas``; RNG state is rank-local and exempt. CheckpointError when they differ
     (e.g. ZeRO-sharded optimizer state). Local."""
-    with hdf5.StepReader(step_dir, step) as reader:
+    with StepReader(step_dir, step) as reader:
         first: dict[str, str] | None = None
         for rank in replicas:
             group = reader.group(rank)
@@ -103,44 +108,89 @@ def check_dp_replicas(step_dir: Path, step: int, replicas: list[int]) -> None:
                         f"({reader.meta.get('world')} ranks)"))
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception as one short line (the reason a PFS step is unusable)."""
-    text = str(exc) if isinstance(exc, (FtkitError, CorruptCheckpointError)) else \
-        f"{type(exc).__name__}: {exc}"
-    text = " ".join(text.split())
-    return text if len(text) <= 400 else text[:397] + "..."
-
-
-def _read_step(pfs: PfsLevel, step: int) -> Any:
-    """This rank's state tree of PFS ``step``, every byte verified (raises on any problem).
-    Local."""
+def _read_step(pfs: PfsLevel, step: int, progress: Callable[[int], None] | None = None
+               ) -> Any:
+    """This rank's state tree of PFS ``step``, every byte verified (raises on any problem):
+    the step's COMMITTED record and file digests are required, so libhdf5 never parses a
+    damaged byte. Local."""
     step_dir = pfs.step_dir(step)
-    with hdf5.StepReader(step_dir, step) as reader:
+    with StepReader(step_dir, step, job=pfs.config.job, require_commit=True) as reader:
         src = source_rank(step_dir, pfs.topo, reader.meta)
-        group, arrays = reader.read(src)
+        group, arrays = reader.read(src, progress=progress)
     leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]), e["nbytes"])
               for e in group.entries]
     return unflatten(group.tree, [leaf_from_bytes(lf, a) for lf, a in zip(leaves, arrays)])
 
 
+STALLED = "made no progress"
+
+
+class PfsReadTimeout(TimeoutError):
+    """A PFS read made no progress within its deadline (the reading thread may still be
+    stuck in the file system or the HDF5 library)."""
+
+
+def transient(reason: str) -> bool:
+    """Whether a PFS step was found unusable only because reading it stalled (a relaunch
+    may read it fine: the error does not recur)."""
+    return STALLED in reason or "still stuck" in reason
+
+
+def read_with_deadline(pfs: PfsLevel, step: int, timeout: float) -> Any:
+    """:func:`_read_step` on a daemon thread under a no-progress deadline: ``timeout``
+    seconds, plus the time the tensor being read needs at ``MIN_BULK_BANDWIDTH``, since the
+    last tensor finished. Raises PfsReadTimeout when it expires (all ranks reading the same
+    hung file would otherwise wait forever: no collective is pending to time out). Local."""
+    box: cf.Future[Any] = cf.Future()
+    mark = [time.monotonic(), 0]          # last progress, bytes announced since
+
+    def progress(nbytes: int) -> None:
+        mark[:] = [time.monotonic(), nbytes]
+
+    def work() -> None:
+        try:
+            box.set_result(_read_step(pfs, step, progress))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box.set_exception(exc)
+    threading.Thread(target=work, name=f"ftkit-pfs-read-{step}", daemon=True).start()
+    while True:
+        allowed = timeout + mark[1] / MIN_BULK_BANDWIDTH
+        remaining = mark[0] + allowed - time.monotonic()
+        if remaining <= 0:
+            raise PfsReadTimeout(f"reading {pfs.step_dir(step)} {STALLED} for "
+                                 f"{allowed:g} s (FTKIT_TIMEOUT); the file system or its "
+                                 f"HDF5 files may be hung")
+        try:
+            return box.result(timeout=remaining)
+        except cf.TimeoutError:
+            continue
+
+
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
-                     emit: Callable[..., None], newer_than: int = 0
+                     emit: Callable[..., None], newer_than: int = 0,
+                     skip: set[int] | frozenset[int] = frozenset()
                      ) -> tuple[int, dict[int, str]]:
     """Load the newest committed PFS step newer than ``newer_than`` that every rank can read
     intact; a different DP size is resharded (see :func:`source_rank`). Any exception while
     reading or decoding a step on any rank makes it unusable everywhere (agreed), and the
     next older one is tried. Returns the step loaded (0 when none) and the newer committed
-    steps found unusable, with why (identical on every rank). All ranks call."""
-    candidates = dc.bcast([s for s in pfs.committed_steps() if s > newer_than]
+    steps found unusable, with why (identical on every rank); steps in ``skip`` (found
+    unusable before) are not read again. All ranks call."""
+    candidates = dc.bcast([s for s in pfs.committed_steps() if s > newer_than and s not in skip]
                           if dc.rank == 0 else None, "restore-discover")
     skipped: dict[int, str] = {}
+    stuck: str | None = None
     for step in candidates:
         failure = None
         loaded: Any = None
         try:
-            loaded = _read_step(pfs, step)
+            if stuck is not None:
+                raise PfsReadTimeout(f"not read: an earlier PFS read is still stuck ({stuck})")
+            loaded = read_with_deadline(pfs, step, pfs.config.timeout)
         except Exception as exc:  # noqa: BLE001 - any failure: the step is unusable
-            failure = _one_line(exc)
+            failure = one_line(exc)
+            if isinstance(exc, PfsReadTimeout) and stuck is None:
+                stuck = f"step {step}"
             log.warning("rank %d: PFS step %d (%s) is unusable: %s", dc.rank, step,
                         pfs.step_dir(step), failure)
         failures = dc.agree(failure, "restore-discover", step)

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from ftkit.errors import FtkitError
 from ftkit.storage.stripes import Layout
 
 Report = dict[str, Any]
@@ -95,6 +96,14 @@ def _solvable(layout: Layout, lost_idx: list[int], data_ok: list[bool],
         if avail < layout.m:
             return False
     return True
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one short line: the reason a copy or a step is unusable. ftkit's own
+    errors already name file, rank and step; anything else is prefixed with its type."""
+    text = str(exc) if isinstance(exc, FtkitError) else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _short(state: object) -> str:

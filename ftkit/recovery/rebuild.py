@@ -10,8 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from ftkit.comm.dist import DistComm
-from ftkit.errors import CorruptCheckpointError
-from ftkit.recovery.plan import Plan, Report, parity_ok
+from ftkit.recovery.plan import Plan, Report, one_line, parity_ok
 from ftkit.storage.levels import Levels
 from ftkit.testing.faults import Faults
 
@@ -55,15 +54,25 @@ def _verify(levels: Levels, plan: Plan, world: int) -> None:
 
 
 def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[str]) -> Report:
-    """What this rank holds intact for ``step`` (own shard, partner copies, parity). Local."""
+    """What this rank holds intact for ``step`` (own shard, partner copies, parity). *Any*
+    failure to read or check one of them makes that one unusable, with a one-line reason
+    (never an exception: every rank must reach the next collective). Local."""
     report: Report = {"own": None}
     try:
         levels.local.check_shard(step, world)
-    except CorruptCheckpointError as exc:
-        report["own"] = str(exc)
-    if levels.partner is not None and "partner" in step_levels:
-        report["partner"] = {str(q): why for q, why in levels.partner.held(step, world).items()}
+    except Exception as exc:  # noqa: BLE001 - any failure: the shard is lost
+        report["own"] = one_line(exc)
+    partner = levels.partner
+    if partner is not None and "partner" in step_levels:
+        try:
+            held = partner.held(step, world)
+        except Exception as exc:  # noqa: BLE001 - any failure: the copies are unusable
+            held = {q: one_line(exc) for q in partner.sources}
+        report["partner"] = {str(q): why for q, why in held.items()}
     for name, level in levels.erasure.items():
         if name in step_levels:
-            report[name] = level.held(step)
+            try:
+                report[name] = level.held(step)
+            except Exception as exc:  # noqa: BLE001 - any failure: the parity is unusable
+                report[name] = {"error": one_line(exc)}
     return report

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
-from ftkit.capture.flatten import leaf_from_bytes, unflatten
+from ftkit.capture.flatten import DecodeError, leaf_from_bytes, unflatten
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import (
     CheckpointError,
@@ -25,8 +25,9 @@ from ftkit.errors import (
     UnrecoverableError,
 )
 from ftkit.recovery import rebuild
-from ftkit.recovery.plan import make_plan
+from ftkit.recovery.plan import make_plan, one_line
 from ftkit.storage.levels import Levels
+from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import checksum, leaves_of
 from ftkit.testing.faults import Faults
 
@@ -43,6 +44,11 @@ class Discovery:
     levels_of: dict[int, list[str]]  # step -> levels it was saved with
     excluded: dict[int, str] = dataclasses.field(default_factory=dict)
     # committed steps of another world size or another run: never used, never overwritten
+    nodes: list[str] = dataclasses.field(default_factory=list, repr=False)
+    # node directory name of every rank
+    inventories: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
+    # every rank's listing of its node's steps and their COMMITTED records
+    rank_node: list[int] | None = None              # this job's rank -> node map
 
     def unusable(self) -> dict[int, str]:
         """Every committed step on the node-local levels that cannot be used, with why."""
@@ -58,9 +64,7 @@ def discover(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., N
     deleted here. All ranks call."""
     faults.fire("restore-discover", None)
     local = levels.local
-    mine = {"node": local.root.name,
-            "steps": {str(s): {"c": v["committed"], **local.record_info(s)}
-                      for s, v in local.inventory().items()}}
+    mine = {"node": local.root.name, "steps": _inventory(local)}
     gathered = dc.allgather(mine, "restore-discover")
     nodes = [g["node"] for g in gathered]
     every = [g["steps"] for g in gathered]
@@ -70,26 +74,63 @@ def discover(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., N
     committed = [s for s in committed if s not in excluded]
     levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
                  or ["local"] for s in committed}
-    found = Discovery(0, committed, {}, levels_of, excluded=excluded)
-    for step in committed:
-        reports = dc.allgather(rebuild.local_report(levels, step, dc.size, levels_of[step]),
+    found = Discovery(0, committed, {}, levels_of, excluded=excluded, nodes=nodes,
+                      inventories=every, rank_node=rank_node)
+    _scan(dc, levels, faults, emit, found, committed)
+    return found
+
+
+def _inventory(local: LocalLevel) -> dict[str, dict[str, Any]]:
+    """This node's steps and what their COMMITTED records say (a record that cannot be read
+    counts as one that says nothing). Local; never raises."""
+    try:
+        steps = local.inventory()
+    except Exception as exc:  # noqa: BLE001 - a node that cannot list its steps has none
+        log.warning("restore: cannot list %s: %s", local.root, one_line(exc))
+        return {}
+    out = {}
+    for s, v in steps.items():
+        try:
+            info = local.record_info(s)
+        except Exception as exc:  # noqa: BLE001 - an unreadable record says nothing
+            log.warning("restore: cannot read the record of step %d in %s: %s", s,
+                        local.root, one_line(exc))
+            info = {"w": None, "levels": [], "run": None, "nodes": None}
+        out[str(s)] = {"c": v["committed"], **info}
+    return out
+
+
+def _scan(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None],
+          found: Discovery, steps: list[int]) -> None:
+    """Set ``found.step`` to the first of ``steps`` (newest first) that every rank holds
+    intact or can rebuild; record every step before it in ``found.skipped``. All ranks
+    call."""
+    for step in steps:
+        reports = dc.allgather(rebuild.local_report(levels, step, dc.size, found.levels_of[step]),
                                "restore-discover", step)
-        plan = make_plan(step, reports, levels_of[step], levels.partners, levels.sets,
-                         levels.parity, nodes)
+        plan = make_plan(step, reports, found.levels_of[step], levels.partners, levels.sets,
+                         levels.parity, found.nodes)
         if plan.ok and plan.lost:
             plan.unrecoverable = _try_rebuild(dc, levels, faults, plan, reports,
-                                              levels_of[step], emit, nodes)
+                                              found.levels_of[step], emit, found.nodes)
         if plan.ok:
             found.step = step
-            return found
-        found.skipped[step] = str(plan.unrecoverable) + _layout_note(every, step, rank_node)
+            return
         failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
-        if dc.rank == 0:
-            detail = "; ".join(f"rank {r}: {f}" for r, f in failures.items())
-            log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
-                        step, detail or "no shard lost", found.skipped[step])
-        emit("restore-skip", step=step, failures=failures, reason=found.skipped[step])
-    return found
+        _skip(dc, found, step, failures, str(plan.unrecoverable)
+              + _layout_note(found.inventories, step, found.rank_node), emit)
+
+
+def _skip(dc: DistComm, found: Discovery, step: int, failures: dict[int, str], reason: str,
+          emit: Callable[..., None]) -> None:
+    """Record that committed ``step`` is unusable (the same on every rank): in
+    ``found.skipped``, the log (rank 0) and a ``restore-skip`` event. All ranks call."""
+    found.skipped[step] = reason
+    if dc.rank == 0:
+        detail = "; ".join(f"rank {r}: {f}" for r, f in failures.items())
+        log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
+                    step, detail or "no shard lost", reason)
+    emit("restore-skip", step=step, failures=failures, reason=reason)
 
 
 def _layout_note(every: list[dict[str, Any]], step: int, now: list[int] | None) -> str:
@@ -164,29 +205,67 @@ def _other_identity(every: list[dict[str, Any]], committed: list[int], world: in
     return out
 
 
+def try_load(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,
+             state: MutableMapping[str, Any], emit: Callable[..., None]) -> bool:
+    """Load ``found.step`` into ``state``. Every rank reads and decodes its shard, verifying
+    each tensor's checksum on the bytes it loads; *any* failure of that on any rank makes
+    the step unusable everywhere (one-line reason per rank in ``found.skipped``, the log
+    and a ``restore-skip`` event), discovery goes on with the older committed steps and
+    False is returned: ``found.step`` then names the next usable step (0: none). Nothing is
+    deleted. True once loaded. A live state that does not fit the checkpoint raises the
+    same StateMismatchError everywhere (an older step would not fit either). All ranks
+    call."""
+    step = found.step
+    tree: dict[str, Any] = {}
+    failure = None
+    try:
+        tree = _read_tree(levels, faults, dc.rank, step)
+    except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
+        failure = one_line(exc)
+        log.warning("rank %d: cannot load step %d: %s", dc.rank, step, failure)
+    failures = dc.agree(failure, "restore-load", step)
+    if failures:
+        reason = f"step {step} could not be loaded: " + "; ".join(
+            f"rank {r}: {f}" for r, f in failures.items())
+        _skip(dc, found, step, failures,
+              reason if len(reason) <= 1000 else reason[:997] + "...", emit)
+        found.step = 0
+        _scan(dc, levels, faults, emit, found, [s for s in found.committed if s < step])
+        return False
+    apply_agreed(dc, state, tree, step)
+    return True
+
+
 def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
          state: MutableMapping[str, Any]) -> None:
-    """Load this rank's shard of ``step`` into ``state``, verifying every tensor's checksum
-    on the bytes it loads; the same error everywhere on failure (StateMismatchError when the
-    state's structure differs from the checkpoint's). All ranks call."""
-    def _read() -> Any:
-        faults.fire("restore-load", step)
-        with levels.local.open_shard(step) as shard:
-            leaves = leaves_of(shard.header)
+    """Load this rank's shard of ``step`` into ``state`` like :func:`try_load`, but a read
+    or decode failure is the same CheckpointError everywhere instead of a fallback. All
+    ranks call."""
+    tree = dc.run(lambda: _read_tree(levels, faults, dc.rank, step), "restore-load", step)
+    apply_agreed(dc, state, tree, step)
+
+
+def _read_tree(levels: Levels, faults: Faults, rank: int, step: int) -> dict[str, Any]:
+    """This rank's state tree of ``step``, every tensor's checksum verified on the bytes it
+    loads (copies). CorruptCheckpointError naming the file when a tensor or the tree does
+    not check out or decode. Local."""
+    faults.fire("restore-load", step)
+    with levels.local.open_shard(step) as shard:
+        def bad(reason: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(str(shard.path), reason, rank=rank, step=step)
+        try:
             tensors = []
-            for i, leaf in enumerate(leaves):
+            for i, leaf in enumerate(leaves_of(shard.header)):
                 data = shard.raw(i).copy()
                 if checksum(data) != shard.tensors[i]["checksum"]:
-                    raise CorruptCheckpointError(str(shard.path), f"checksum mismatch in "
-                                                 f"tensor {leaf.path} while loading",
-                                                 rank=dc.rank, step=step)
+                    raise bad(f"checksum mismatch in tensor {leaf.path} while loading")
                 tensors.append(leaf_from_bytes(leaf, data))
             tree = unflatten(shard.header["tree"], tensors)
+        except DecodeError as exc:
+            raise bad(str(exc)) from None
         if not isinstance(tree, dict):
-            raise CheckpointError(step, {}, message=f"{shard.path}: state root is not a dict")
-        return tree
-    tree = dc.run(_read, "restore-load", step)
-    apply_agreed(dc, state, tree, step)
+            raise bad(f"the state root is a {type(tree).__name__}, not a dict")
+    return tree
 
 
 def apply_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, Any],
@@ -194,7 +273,10 @@ def apply_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, 
     """Check the restored ``tree`` against the live ``state`` (structure: names, shapes,
     dtypes) on every rank, then load it. Raises the same StateMismatchError everywhere when
     any rank's state differs, the same CheckpointError when loading fails. All ranks call."""
-    diffs = structure_diff(state, tree)
+    try:
+        diffs = structure_diff(state, tree)
+    except Exception as exc:  # noqa: BLE001 - agreed below, like any difference
+        diffs = [f"cannot compare with the checkpoint: {one_line(exc)}"]
     mismatch = dc.agree(f"state differs from the checkpoint: {mismatch_text(diffs)}"
                         if diffs else None, "restore-load", step)
     if not mismatch:          # nothing is loaded anywhere unless every rank's state fits

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from collections.abc import Iterable, Mapping
 
 from ftkit.errors import LaunchError
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+#: Most host names one expression may expand to (a bad ``n[0-999999999]`` must not allocate
+#: forever; Slurm itself refuses ranges of more than 64K hosts).
+MAX_HOSTS = 1_000_000
+#: Most digits of a host number, zero padding included (numbers fit an unsigned 64-bit
+#: integer, as in Slurm's own hostlists).
+MAX_DIGITS = 18
 
 
 def _split_top(expr: str) -> list[str]:
@@ -39,6 +46,10 @@ def _split_top(expr: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _too_many(expr: str) -> LaunchError:
+    return LaunchError(f"bad hostlist {expr!r}: expands to more than {MAX_HOSTS} hosts")
+
+
 def _expand_ranges(body: str, expr: str) -> list[str]:
     out: list[str] = []
     for item in body.split(","):
@@ -46,20 +57,30 @@ def _expand_ranges(body: str, expr: str) -> list[str]:
         if not m:
             raise LaunchError(f"bad hostlist {expr!r}: range {item!r} is not N or N-M")
         lo, hi = m.group(1), m.group(2) or m.group(1)
+        if max(len(lo), len(hi)) > MAX_DIGITS:
+            raise LaunchError(f"bad hostlist {expr!r}: a number has more than {MAX_DIGITS} "
+                              "digits")
         if int(hi) < int(lo):
             raise LaunchError(f"bad hostlist {expr!r}: range {item!r} runs backwards")
+        if len(out) + int(hi) - int(lo) + 1 > MAX_HOSTS:
+            raise _too_many(expr)
         width = len(lo) if lo.startswith("0") else 0
         out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
     return out
 
 
 def expand_hostlist(expr: str) -> list[str]:
-    """``n[01-03],x[1-2]y[5,7]`` -> every host name in order (zero padding kept)."""
+    """``n[01-03],x[1-2]y[5,7]`` -> every host name in order (zero padding kept).
+
+    LaunchError naming ``expr`` when it is malformed or expands to more than
+    :data:`MAX_HOSTS` names or has a number of more than :data:`MAX_DIGITS` digits."""
     hosts: list[str] = []
     for term in _split_top(expr):
         pieces = re.split(r"(\[[^\]]*\])", term)
         choices = [_expand_ranges(p[1:-1], expr) if p.startswith("[") else [p]
                    for p in pieces if p]
+        if len(hosts) + math.prod(len(c) for c in choices) > MAX_HOSTS:
+            raise _too_many(expr)
         hosts.extend("".join(combo) for combo in itertools.product(*choices))
     return hosts
 

@@ -13,11 +13,15 @@ slurm/`` rewrites them; a unit test keeps them in sync).
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 import sys
 from pathlib import Path
 
 from ftkit.errors import LaunchError
+
+#: What ``env`` keys may be: exported as ``export KEY=<quoted value>``, so a key is never quoted.
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +39,8 @@ class SbatchSpec:
     max_restarts: int = 3
     partition: str | None = None
     output: str = "ftkit-%x-%j.out"
-    env: tuple[tuple[str, str], ...] = ()
-    setup: tuple[str, ...] = ()          # shell lines run first (module load, venv, ...)
+    env: tuple[tuple[str, str], ...] = ()   # exported; keys are names, values are quoted
+    setup: tuple[str, ...] = ()          # shell lines run first, verbatim (module load, ...)
     ftkit: tuple[str, ...] = ("ftkit",)  # how to call ftkit (e.g. python -m ftkit.cli.main)
 
     def __post_init__(self) -> None:
@@ -51,12 +55,20 @@ class SbatchSpec:
                 raise LaunchError(f"sbatch: {message}")
         for key in ("job_name", "time", "output", "partition"):
             value = getattr(self, key)
-            if value is not None and (not value or any(c.isspace() for c in value)):
-                raise LaunchError(f"sbatch: {key} {value!r} must be non-empty, without spaces")
+            if value is not None and (not value or any(c.isspace() or not c.isprintable()
+                                                       for c in value)):
+                raise LaunchError(f"sbatch: {key} {value!r} must be non-empty, printable, "
+                                  "without spaces")
+        for name, _ in self.env:
+            if not _ENV_NAME.fullmatch(name):
+                raise LaunchError(f"sbatch: env key {name!r} is not a shell variable name "
+                                  f"({_ENV_NAME.pattern})")
 
 
 def render_sbatch(spec: SbatchSpec) -> str:
-    """The batch script text (pure)."""
+    """The batch script text (pure). Nothing of ``spec`` reaches the shell unquoted except
+    the ``setup`` lines: ``#SBATCH`` values are single printable words (bash reads those lines
+    as comments), environment keys are variable names, values and argv are shell-quoted."""
     ranks = spec.nodes * spec.tasks_per_node
     head = [f"--job-name={spec.job_name}", f"--nodes={spec.nodes + spec.spares}",
             f"--ntasks-per-node={spec.tasks_per_node}", f"--time={spec.time}",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,10 +104,16 @@ class ErasureLevel(Level):
     # ------------------------------------------------------------------ encode
     def encode(self, step: int) -> None:
         """Compute, check and store this member's parity segments. Collective over the set;
-        raises CorruptCheckpointError on a member whose parity arrived damaged."""
-        with mapped(self.local.shard_path(step)) as data:
-            info = self.sdc.allgather({"size": len(data), "checksum": checksum(data)},
-                                      "encode", step)
+        raises CorruptCheckpointError on a member whose parity arrived damaged, and on every
+        member when one member's shard is not a regular file in its private step directory
+        (a planted symbolic link is never read; no member writes parity)."""
+        with contextlib.ExitStack() as stack:
+            data = self._own_data(stack, step)
+            info = self.sdc.allgather(
+                {"size": len(data), "checksum": checksum(data), "problem": None}
+                if isinstance(data, np.ndarray) else {"problem": data.reason}, "encode", step)
+            self._refuse_unusable(step, [i["problem"] for i in info])
+            assert isinstance(data, np.ndarray)           # else refused above
             sizes = [i["size"] for i in info]
             s = segment_size(sizes, self.layout.m)
             segs = segments(data, self.layout.m, s)
@@ -121,6 +128,29 @@ class ErasureLevel(Level):
         leaves = [TensorLeaf(f"parity/{j}", "numpy", "|u1", (s,), s)
                   for j in range(self.layout.p)]
         write_shard(self.parity_path(step), meta, None, leaves, parity)
+
+    def _own_data(self, stack: contextlib.ExitStack, step: int
+                  ) -> np.ndarray | CorruptCheckpointError:
+        """A view of my shard of ``step`` (mapped as long as ``stack``), or why it is not
+        usable (the error, not raised: every member must reach the next collective)."""
+        try:
+            path = self._own_file(self.local.shard_path(step), step, "shard")
+            return stack.enter_context(mapped(path, rank=self.local.rank, step=step,
+                                              level=self.name))
+        except CorruptCheckpointError as exc:
+            return exc
+
+    def _refuse_unusable(self, step: int, problems: list[str | None]) -> None:
+        """Raise CorruptCheckpointError when any member's shard is unusable (``problems`` by
+        set index): every member, each naming the shard(s) refused."""
+        bad = {self.members[i]: why for i, why in enumerate(problems) if why is not None}
+        if bad:
+            mine = problems[self.index]
+            raise CorruptCheckpointError(
+                str(self.local.shard_path(step) if mine else self.parity_path(step)),
+                mine or "no parity written: the shard of set member(s) "
+                + "; ".join(f"rank {r}: {why}" for r, why in sorted(bad.items())),
+                rank=self.local.rank, step=step, level=self.name)
 
     def _check_parity(self, step: int, parity: list[np.ndarray], folds: list[list[bytes]]
                       ) -> None:
@@ -187,29 +217,67 @@ class ErasureLevel(Level):
         return gf256.scale_into(scratch, c, seg)
 
     def discard(self, step: int) -> None:
-        if not self.local.is_committed(step):
-            self.parity_path(step).unlink(missing_ok=True)
+        """Remove my uncommitted parity of ``step``: only a regular file in a private step
+        directory (a linked step directory never makes ftkit unlink inside its target)."""
+        path = self.parity_path(step)
+        if not self.local.is_committed(step) and self.local.file_problem(path) is None:
+            path.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------- restore
     def held(self, step: int) -> dict[str, Any] | None:
         """This member's parity file of ``step``: its header if intact, an error string if
-        damaged, None if absent. Local."""
+        damaged (or not ours: a planted link is never followed), None if absent. Local."""
         path = self.parity_path(step)
-        if not path.exists():
-            return None
         try:
-            with Shard.open(path, rank=self.local.rank, step=step, level=self.name) as shard:
+            if not os.path.lexists(path):
+                return None
+            with Shard.open(self._own_file(path, step, "parity"), rank=self.local.rank, step=step, level=self.name) as shard:
                 shard.verify(level=self.name)
-                h = shard.header
-                if (h.get("set"), h.get("index"), h.get("members")) != (
-                        self.set_id, self.index, self.members):
-                    raise CorruptCheckpointError(str(path), "parity of another erasure set",
-                                                 rank=self.local.rank, step=step,
-                                                 level=self.name)
-                return {k: h[k] for k in ("seg", "sizes", "checksums")}
-        except CorruptCheckpointError as exc:
-            log.warning("%s parity unusable: %s", self.name, exc)
-            return {"error": str(exc)}
+                why = self._foreign(shard.header)
+                if why:
+                    raise CorruptCheckpointError(str(path), why, rank=self.local.rank,
+                                                 step=step, level=self.name)
+                return {k: shard.header[k] for k in ("seg", "sizes", "checksums")}
+        except Exception as exc:  # noqa: BLE001 - any failure: the parity is unusable
+            why = str(exc) if isinstance(exc, CorruptCheckpointError) else \
+                f"{path} (level {self.name}, rank {self.local.rank}, step {step}): " \
+                f"{type(exc).__name__}: {exc}"
+            log.warning("%s parity unusable: %s", self.name, why)
+            return {"error": why}
+
+    def _own_file(self, path: Path, step: int, what: str) -> Path:
+        """``path`` when it is a regular file in this node's private step directory; else
+        CorruptCheckpointError naming the file, this rank, ``step`` and the level (a
+        planted symbolic link is never used)."""
+        problem = self.local.file_problem(path)
+        if problem is not None:
+            raise CorruptCheckpointError(
+                str(path), f"{what} is missing" if problem == "missing" else
+                f"{what} unusable: {problem}", rank=self.local.rank, step=step, level=self.name)
+        return path
+
+    def _foreign(self, h: dict[str, Any]) -> str | None:
+        """Why a (validated) parity header does not belong to this member or cannot drive a
+        rebuild (None when it fits): set, index, members, k, p, the parity tensors, ``seg``,
+        ``sizes`` and ``checksums`` of every member."""
+        if (h.get("set"), h.get("index"), h.get("members")) != (
+                self.set_id, self.index, self.members):
+            return "parity of another erasure set"
+        lay, seg, sizes, sums = self.layout, h.get("seg"), h.get("sizes"), h.get("checksums")
+        if (h.get("k"), h.get("p")) != (lay.k, lay.p):
+            return f"parity of a k={h.get('k')} p={h.get('p')} code, expected k={lay.k} p={lay.p}"
+        if type(seg) is not int or seg <= 0 or seg % ALIGN:
+            return f"segment size {seg!r} is not a positive multiple of {ALIGN}"
+        if [(t["kind"], t["dtype"], t["shape"]) for t in h["tensors"]] != \
+                [("numpy", "|u1", [seg])] * lay.p:
+            return f"the parity tensors are not {lay.p} segments of {seg} bytes"
+        if not (isinstance(sizes, list) and len(sizes) == lay.k and all(
+                type(n) is int and 0 <= n <= seg * lay.m for n in sizes)):
+            return f"member sizes {str(sizes)[:80]} do not fit {lay.k} shards of segment {seg}"
+        if not (isinstance(sums, list) and len(sums) == lay.k and all(
+                isinstance(c, str) and c.startswith("xxh3-64:") for c in sums)):
+            return f"member checksums {str(sums)[:80]} are not {lay.k} xxh3-64 checksums"
+        return None
 
     def rebuild(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
                 header: dict[str, Any]) -> None:
@@ -264,11 +332,15 @@ class ErasureLevel(Level):
         """Views of my intact data and parity segments (maps live as long as ``stack``)."""
         out: dict[tuple[str, int], np.ndarray] = {}
         if data_ok:
-            data = stack.enter_context(mapped(self.local.shard_path(step)))
+            path = self._own_file(self.local.shard_path(step), step, "shard")
+            data = stack.enter_context(mapped(path, rank=self.local.rank, step=step,
+                                              level=self.name))
             for q, seg in enumerate(segments(data, self.layout.m, s)):
                 out[("d", q)] = seg
         if parity_ok:
-            shard = stack.enter_context(Shard.open(self.parity_path(step)))
+            path = self._own_file(self.parity_path(step), step, "parity")
+            shard = stack.enter_context(Shard.open(path, rank=self.local.rank, step=step,
+                                                   level=self.name))
             for j in range(self.layout.p):
                 out[("p", j)] = shard.raw(j)
         return out

@@ -29,16 +29,15 @@ import dataclasses
 import json
 import math
 import os
-import re
-import sys
 import time
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
-from ftkit.capture.flatten import numpy_dtype
+from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
+from ftkit.storage import h5files
 from ftkit.storage.shard import Shard, checksum, fsync_dir, write_atomic
 
 FORMAT = "ftkit-hdf5-2"
@@ -48,8 +47,6 @@ META = "meta_checksum"
 _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1",
              "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "bool": "|b1",
              "complex64": "<c8", "complex128": "<c16"}
-_TORCH_BYTES = {"bool": 1, "bfloat16": 2, "complex32": 4, "chalf": 4, "float4_e2m1fn_x2": 1}
-_BITS = re.compile(r"(?:u?int|float|complex|bits)(\d+)(?:_[a-z0-9]+)?")
 CHUNK_BYTES = 64 << 20     # contiguous up to this size; larger tensors: ~16 MiB chunks
 
 
@@ -66,25 +63,6 @@ def _storage_dtype(t: dict[str, Any]) -> np.dtype | None:
     if t["dtype"].startswith("json:") or len(t["dtype"]) < 2 or t["dtype"][1] in "UOMmV":
         return None
     return np.dtype(t["dtype"])
-
-
-def itemsize(kind: str, dtype: str) -> int:
-    """Bytes per element of an ftkit dtype (torch name or numpy descr), without importing
-    torch (ValueError when unknown)."""
-    if kind == "numpy":
-        return int(numpy_dtype(dtype).itemsize)
-    if kind != "torch":
-        raise ValueError(f"unknown tensor kind {kind!r}")
-    if dtype in _TORCH_BYTES:
-        return _TORCH_BYTES[dtype]
-    m = _BITS.fullmatch(dtype)
-    if m and int(m.group(1)) % 8 == 0:
-        return int(m.group(1)) // 8
-    torch = sys.modules.get("torch")
-    size = getattr(getattr(torch, dtype, None), "itemsize", None)
-    if isinstance(size, int):
-        return size
-    raise ValueError(f"unknown torch dtype {dtype!r}")
 
 
 def dataset_names(tensors: list[dict[str, Any]]) -> list[str]:
@@ -303,15 +281,19 @@ class RankGroup:
 
     @classmethod
     def load(cls, grp: Any, file: Path | str, *, rank: int, step: int | None = None,
-             world: int | None = None) -> RankGroup:
-        """Verify ``grp``'s ``meta_checksum`` first, then its identity (rank, step, world),
-        every dataset's attributes and the tree against the datasets. Reads no tensor data.
+             world: int | None = None, job: str | None = None,
+             file_size: int | None = None) -> RankGroup:
+        """Verify ``grp``'s ``meta_checksum`` first, then its identity (rank, step, world,
+        job), that everything below it is a plain (hard-linked) group or dataset whose data
+        lies inside the file's ``file_size`` bytes (see :func:`h5files.check_storage`), every
+        dataset's attributes and the tree against the datasets. Reads no tensor data.
         Raises CorruptCheckpointError naming the file and object."""
         where = f"{file}:{grp.name}"
 
         def bad(at: str, why: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(at, why, rank=rank, step=step, level="pfs")
         try:
+            _only_hard_links(grp)
             canon, items = _group_canon(grp)
             _check_seal(grp, canon, where, rank=rank, step=step)
         except CorruptCheckpointError:
@@ -319,29 +301,31 @@ class RankGroup:
         except Exception as exc:
             raise bad(where, f"unreadable rank group: {_why(exc)}") from exc
         attrs = canon["attrs"]
-        for key, want in (("rank", rank), ("step", step), ("world", world)):
+        for key, want in (("rank", rank), ("step", step), ("world", world), ("job", job)):
             if want is not None and attrs.get(key) != want:
-                raise bad(where, f"group says {key} {attrs.get(key)}, "
-                                 f"{'linked as' if key == 'rank' else 'expected'} {want}")
+                raise bad(where, f"group says {key} {attrs.get(key)!r}, "
+                                 f"{'linked as' if key == 'rank' else 'expected'} {want!r}")
         try:
             tree = json.loads(attrs["tree"])
             topology = json.loads(attrs.get("topology", "{}"))
             if not isinstance(topology, dict):
                 raise TypeError("topology is not a JSON object")
+            expected = count_tensors(tree)
         except (KeyError, TypeError, ValueError, RecursionError) as exc:
             raise bad(where, f"bad 'tree'/'topology' attribute: {_why(exc)}") from exc
         entries, datasets = [], []
         for name, ds, a in items:
             try:
                 entry = tensor_entry(name, ds, a)
+                if file_size is not None:
+                    h5files.check_storage(ds, file_size, entry["nbytes"])
             except (KeyError, TypeError, ValueError) as exc:
-                raise bad(f"{file}:{ds.name}", f"bad attributes: {_why(exc)}") from exc
+                raise bad(f"{file}:{ds.name}", f"bad dataset: {_why(exc)}") from exc
             entries.append(entry)
             datasets.append(ds)
         order = sorted(range(len(entries)), key=lambda i: entries[i]["index"])
         entries = [entries[i] for i in order]
         datasets = [datasets[i] for i in order]
-        expected = count_tensors(tree)
         have = [e["index"] for e in entries]
         if have != list(range(expected)):
             missing = sorted(set(range(expected)) - set(have))
@@ -349,6 +333,17 @@ class RankGroup:
                              f"datasets" + (f" (missing ftkit_index {missing})" if missing
                                             else f" (ftkit_index {have})"))
         return cls(str(file), where, attrs, tree, topology, entries, datasets)
+
+
+def _only_hard_links(grp: Any) -> None:
+    """Everything below a rank group must be reached by hard links: an external or soft link
+    could lead out of the file or to another rank's data (TypeError)."""
+    h5py = _h5py()
+    found = grp.visititems_links(lambda name, link: None if isinstance(link, h5py.HardLink)
+                                 else (name, type(link).__name__))
+    if found is not None:
+        raise TypeError(f"{found[0]!r} is a {found[1]}; only plain groups and datasets are "
+                        f"allowed in a rank group")
 
 
 # --------------------------------------------------------------------------- writing
@@ -391,9 +386,10 @@ def _fsync_file(path: Path) -> None:
 
 
 def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
-                    ) -> None:
+                    ) -> dict[str, Any]:
     """Write the node file atomically (temp name, fsync, rename, fsync dir); a corrupt shard
-    raises CorruptCheckpointError and leaves no file."""
+    raises CorruptCheckpointError and leaves no file. Returns its file digest (for COMMITTED,
+    see :mod:`ftkit.storage.h5files`)."""
     h5py = _h5py()
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -403,31 +399,74 @@ def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[st
                 write_rank_group(h5, shard, topology[shard.header["rank"]])
             seal(h5)
         _fsync_file(tmp)
+        digest = h5files.file_digest(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
+    return digest
 
 
-def write_index(step_dir: Path, meta: dict[str, Any], rank_files: dict[int, str]) -> None:
+def write_index(step_dir: Path, meta: dict[str, Any], rank_files: dict[int, str]
+                ) -> dict[str, Any]:
     """Write ``ftkit.h5``: job attributes and external links to every rank's group (temp
-    name, fsync, rename, fsync dir)."""
+    name, fsync, rename, fsync dir; no temp file left on failure). Returns its file digest."""
     h5py = _h5py()
     tmp = step_dir / f".{INDEX}.tmp"
-    with h5py.File(tmp, "w") as h5:
-        h5.attrs.update({"format": FORMAT, "time": time.time(), **meta})
-        ranks = h5.create_group("rank")
-        for rank, fname in sorted(rank_files.items()):
-            ranks[str(rank)] = h5py.ExternalLink(fname, f"/rank/{rank}")
-        seal(h5)
-    _fsync_file(tmp)
+    try:
+        with h5py.File(tmp, "w") as h5:
+            h5.attrs.update({"format": FORMAT, "time": time.time(), **meta})
+            ranks = h5.create_group("rank")
+            for rank, fname in sorted(rank_files.items()):
+                ranks[str(rank)] = h5py.ExternalLink(fname, f"/rank/{rank}")
+            seal(h5)
+        _fsync_file(tmp)
+        digest = h5files.file_digest(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, step_dir / INDEX)
     fsync_dir(step_dir)
+    return digest
+
+
+def record_checksum(record: dict[str, Any]) -> str:
+    """xxh3-64 of a COMMITTED record's canonical JSON, its ``checksum`` key left out."""
+    return _digest({k: v for k, v in record.items() if k != "checksum"})
 
 
 def write_commit(step_dir: Path, record: dict[str, Any]) -> None:
-    write_atomic(step_dir / COMMITTED, [json.dumps(record).encode()])
+    """Durably write ``step_dir/COMMITTED`` with ``checksum`` over the rest of the record."""
+    write_atomic(step_dir / COMMITTED,
+                 [json.dumps({**record, "checksum": record_checksum(record)}).encode()])
+
+
+def read_commit(step_dir: Path, step: int | None = None) -> dict[str, Any]:
+    """The verified COMMITTED record of a PFS step (a regular file of at most 16 MiB, JSON,
+    its checksum matching, its ``step`` the expected one). CorruptCheckpointError else."""
+    path = step_dir / COMMITTED
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(str(path), why, step=step, level="pfs")
+    size = h5files.regular_file(path, step=step)
+    if size > 16 << 20:
+        raise bad(f"is {size} bytes; a commit record is small")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            data = os.read(fd, size + 1)
+        finally:
+            os.close(fd)
+        record = json.loads(data)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise bad(f"unreadable commit record: {_why(exc)}") from exc
+    if not isinstance(record, dict) or record.get("checksum") != record_checksum(record):
+        raise bad("commit record checksum mismatch (damaged or edited), or a record written "
+                  "without one by an older ftkit")
+    if step is not None and record.get("step") != step:
+        raise bad(f"commit record says step {record.get('step')!r}, expected {step}")
+    return record
 
 
 def make_step_dir(step_dir: Path) -> None:
@@ -468,89 +507,13 @@ def datasets(grp: Any) -> list[Any]:
     return [ds for _, ds in _dataset_list(grp)]
 
 
-class StepReader:
-    """A verified, open index ``step_dir/ftkit.h5`` (or ``file``, e.g. a node file of the
-    step; context manager). ``meta``: its attributes, trusted (format and ``meta_checksum``
-    checked, ``step`` matches)."""
-
-    def __init__(self, step_dir: Path, step: int | None = None, *,
-                 file: Path | None = None) -> None:
-        self.step_dir, self.step = step_dir, step
-        self.path = file if file is not None else step_dir / INDEX
-        try:
-            self.h5 = _h5py().File(self.path, "r", locking=False)
-        except Exception as exc:
-            raise CorruptCheckpointError(str(self.path), f"cannot read: {_why(exc)}",
-                                         step=step, level="pfs") from exc
-        try:
-            self.meta = check_root(self.h5, str(self.path), step=step)
-        except BaseException:
-            self.h5.close()
-            raise
-
-    def close(self) -> None:
-        self.h5.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def group(self, rank: int) -> RankGroup:
-        """The verified group of ``rank`` (through the index's link)."""
-        link = self.h5["rank"].get(str(rank), getlink=True) if "rank" in self.h5 else None
-        if link is None:
-            raise CorruptCheckpointError(str(self.path), f"rank {rank} is not linked",
-                                         rank=rank, step=self.step, level="pfs")
-        file = self.step_dir / link.filename if hasattr(link, "filename") else self.path
-        try:
-            grp = self.h5[f"rank/{rank}"]
-        except Exception as exc:
-            raise CorruptCheckpointError(f"{self.path}:/rank/{rank}", f"link does not resolve: "
-                                         f"{_why(exc)}", rank=rank, step=self.step,
-                                         level="pfs") from exc
-        world = self.meta.get("world")
-        return RankGroup.load(grp, file, rank=rank, step=self.step,
-                              world=world if isinstance(world, int) else None)
-
-    def read(self, rank: int, *, verify: bool = True
-             ) -> tuple[RankGroup, list[np.ndarray]]:
-        """``rank``'s verified group and raw uint8 arrays in tree order; with ``verify``,
-        every tensor's checksum checked. Raises CorruptCheckpointError."""
-        group = self.group(rank)
-        arrays = []
-        for entry, ds in zip(group.entries, group.datasets):
-            at = f"{group.file}:{ds.name}"
-            try:
-                raw = raw_bytes(ds[()])
-            except Exception as exc:
-                raise CorruptCheckpointError(at, f"unreadable data: {_why(exc)}", rank=rank,
-                                             step=self.step, level="pfs") from exc
-            if raw.nbytes != entry["nbytes"]:
-                raise CorruptCheckpointError(at, f"read {raw.nbytes} bytes, expected "
-                                             f"{entry['nbytes']}", rank=rank, step=self.step,
-                                             level="pfs")
-            if verify and (got := checksum(raw)) != entry["checksum"]:
-                raise CorruptCheckpointError(at, f"checksum mismatch (stored "
-                                             f"{entry['checksum']}, data has {got})",
-                                             rank=rank, step=self.step, level="pfs")
-            arrays.append(raw)
-        return group, arrays
+_READERS = ("StepReader", "read_rank", "read_index_attrs")
 
 
-def read_rank(step_dir: Path, rank: int, *, step: int | None = None, verify: bool = True
-              ) -> tuple[dict[str, Any], list[dict[str, Any]], list[np.ndarray]]:
-    """Read ``/rank/<r>`` through the index: (group attrs, tensor entries, raw uint8 arrays)
-    in leaf order; metadata and data checksums verified. Raises CorruptCheckpointError
-    naming the file."""
-    with StepReader(step_dir, step) as reader:
-        group, arrays = reader.read(rank, verify=verify)
-    return group.attrs, group.entries, arrays
-
-
-def read_index_attrs(step_dir: Path, step: int | None = None) -> dict[str, Any]:
-    """Verified attributes of ``step_dir/ftkit.h5`` (CorruptCheckpointError when unreadable
-    or not trusted)."""
-    with StepReader(step_dir, step) as reader:
-        return reader.meta
+def __getattr__(name: str) -> Any:
+    """``StepReader``, ``read_rank`` and ``read_index_attrs`` live in
+    :mod:`ftkit.storage.h5read` (re-exported here)."""
+    if name in _READERS:
+        from ftkit.storage import h5read
+        return getattr(h5read, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,9 @@ time (permanent + tentative while a checkpoint runs; newest + previous permanent
 checkpoints, which leaves a fallback if the newest turns out corrupted).
 
 Directories are private (0700), shards 0600. A rank only ever touches its own node's directory.
+``/dev/shm`` is shared with other users, so the whole tree, from the base directory
+``FTKIT_LOCAL_DIR`` down, is entered only through real directories of this user with no
+group/other permission bits, and never through a symbolic link (:mod:`ftkit.storage.private`).
 """
 from __future__ import annotations
 
@@ -14,17 +17,27 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ftkit.storage.level import Level
+from ftkit.storage.private import (
+    check_private_dir,
+    create_new,
+    ensure_private_tree,
+    problem,
+    read_file,
+    remove_entry,
+)
 from ftkit.storage.shard import Shard, fsync_dir, write_atomic, write_shard
 from ftkit.testing.faults import Faults
+
+if TYPE_CHECKING:
+    from ftkit.config import Config
 
 log = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -33,7 +46,9 @@ COMMITTED = "COMMITTED"
 
 
 def make_private_dir(path: Path) -> None:
-    """Create ``path`` (and missing parents) with mode 0700; tighten an existing one."""
+    """Create ``path`` (and missing parents) with mode 0700; tighten an existing one. For
+    trees no other user can write to (the PFS steps); the node-local tree, which lives in
+    a shared directory, uses :func:`ftkit.storage.private.ensure_private_tree`."""
     missing = []
     p = path
     while not p.exists():
@@ -61,17 +76,34 @@ class LocalLevel(Level):
 
     name = "local"
 
-    def __init__(self, root: Path, *, rank: int, node_leader: bool, faults: Faults) -> None:
+    def __init__(self, root: Path, *, rank: int, node_leader: bool, faults: Faults,
+                 base: Path | None = None) -> None:
+        """``root`` is this node's directory ``<base>[/<host>]/<job>/node-<id>``; ``base``
+        is ``FTKIT_LOCAL_DIR`` (default: two levels above ``root``), the directory from
+        which every directory down to a step is checked private (:meth:`for_config`)."""
         self.root = root            # .../<job>/node-<id>
+        self.base = root.parent.parent if base is None else base
         self.rank = rank
         self.node_leader = node_leader
         self.faults = faults
+        root.relative_to(self.base)             # ValueError: the tree must be below the base
+
+    @classmethod
+    def for_config(cls, config: Config, node: int, *, host: str | None = None, rank: int,
+                   node_leader: bool, faults: Faults) -> LocalLevel:
+        """The level of (virtual) node ``node`` (``host``: the Slurm node name, or None)
+        below ``config.local_dir``, which is the base directory checked private."""
+        return cls(config.node_dir(node, host), rank=rank, node_leader=node_leader,
+                   faults=faults, base=Path(config.local_dir))
 
     def prepare(self) -> None:
-        """Create the node directory (private) and check it is writable. Local."""
-        make_private_dir(self.root)
+        """Create the node directory and its parents (private), or check they are (an
+        UnsafeLocalDirError, which is an OSError, when one is not), and check the node
+        directory is writable. Local."""
+        ensure_private_tree(self.base, self.root)
         probe = self.root / f".probe-rank-{self.rank}"
-        probe.write_bytes(b"")
+        probe.unlink(missing_ok=True)           # a crash's leftover; a link is not followed
+        os.close(create_new(probe))
         probe.unlink()
 
     # ---------------------------------------------------------------- paths
@@ -82,8 +114,31 @@ class LocalLevel(Level):
         return self.step_dir(step) / f"rank-{self.rank if rank is None else rank}.ftk"
 
     def ensure_step_dir(self, step: int) -> Path:
-        make_private_dir(self.step_dir(step))
+        """Create this node's directory of ``step`` and its parents, or check they are
+        private (UnsafeLocalDirError, an OSError, when one is not)."""
+        ensure_private_tree(self.base, self.step_dir(step))
         return self.step_dir(step)
+
+    def _step_problem(self, step: int) -> str | None:
+        """None when this node's directory of ``step`` is private; else ``"missing"`` or
+        what is wrong with it (a symbolic link, another owner, open permissions)."""
+        try:
+            return problem(self.step_dir(step), directory=True)
+        except FileNotFoundError:
+            return "missing"
+
+    def file_problem(self, path: Path) -> str | None:
+        """None when ``path`` is a regular file in a private step directory of this node;
+        else ``"missing"`` or what is wrong with the directory or the file (a symbolic link
+        is never followed)."""
+        try:
+            for entry, directory in ((path.parent, True), (path, False)):
+                why = problem(entry, directory=directory)
+                if why is not None:
+                    return f"{entry} {why}; ftkit does not use it"
+        except FileNotFoundError:
+            return "missing"
+        return None
 
     def steps(self) -> list[int]:
         """Steps with a directory on this node, ascending."""
@@ -106,7 +161,7 @@ class LocalLevel(Level):
                 f"{self.step_dir(step)} already holds committed step {step} (rank "
                 f"{self.rank}); steps must increase, so it is kept and not overwritten"))
         try:
-            make_private_dir(self.step_dir(step))
+            self.ensure_step_dir(step)
             write_shard(path, meta, tree, leaves, buffers)
         except OSError as exc:
             raise StorageError(str(path), exc, rank=self.rank, step=step, level=self.name) \
@@ -117,6 +172,7 @@ class LocalLevel(Level):
         """Coordinator: durably record the decision. If any part fails (even the directory
         fsync after the rename), no record survives: the caller then aborts the step."""
         path = self.step_dir(step) / COMMITTED
+        check_private_dir(self.step_dir(step))   # never unlink through a planted link
         try:
             write_record(path, record)
         except BaseException:
@@ -124,20 +180,21 @@ class LocalLevel(Level):
             raise
 
     def commit(self, step: int, record: dict[str, Any]) -> None:
-        if self.node_leader and not (self.step_dir(step) / COMMITTED).exists():
-            make_private_dir(self.step_dir(step))
+        if self.node_leader and not self.is_committed(step):
+            self.ensure_step_dir(step)
             write_record(self.step_dir(step) / COMMITTED, record)
 
     def discard(self, step: int) -> None:
-        if not self.is_committed(step):      # never touch a permanent version
-            self.shard_path(step).unlink(missing_ok=True)
+        if self._step_problem(step) is None and not self.is_committed(step):
+            self.shard_path(step).unlink(missing_ok=True)   # never a permanent version
 
     def record_info(self, step: int) -> dict[str, Any]:
         """``{"w": world size, "levels": [...], "run": run id, "nodes": rank -> node}`` from
         the node's commit record of ``step`` (``w`` None when absent or unreadable; ``run``
         and ``nodes`` None when the record does not say)."""
+        path = self.step_dir(step) / COMMITTED
         try:
-            rec = json.loads((self.step_dir(step) / COMMITTED).read_text())
+            rec = json.loads(read_file(path)) if self.file_problem(path) is None else {}
             nodes = rec.get("nodes")
             return {"w": int(rec["world"]), "levels": [str(x) for x in rec.get("levels",
                                                                              ["local"])],
@@ -151,7 +208,8 @@ class LocalLevel(Level):
         return self.record_info(step)["w"]
 
     def is_committed(self, step: int) -> bool:
-        return (self.step_dir(step) / COMMITTED).is_file()
+        """A regular ``COMMITTED`` file in this node's private directory of ``step``."""
+        return self.file_problem(self.step_dir(step) / COMMITTED) is None
 
     def retain(self, keep: set[int], *, superseded_by: int | None = None) -> None:
         """Node leader: remove every step directory not in ``keep``, and every parked step
@@ -160,18 +218,18 @@ class LocalLevel(Level):
             return
         for step in self.steps():
             if step not in keep:
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+                remove_entry(self.step_dir(step))
         if superseded_by is not None:
             for step in self.parked():
                 if step <= superseded_by:
-                    shutil.rmtree(self.parked_dir(step), ignore_errors=True)
+                    remove_entry(self.parked_dir(step))
 
     def remove_all(self) -> list[int]:
         """Node leader: delete every step of this node, parked ones included (an explicit
         fresh start). Returns the steps removed. Local."""
         steps, parked = self.steps(), self.parked()
         for path in [self.step_dir(s) for s in steps] + [self.parked_dir(s) for s in parked]:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_entry(path)
         return sorted(set(steps) | set(parked))
 
     # -------------------------------------------------------------- parking
@@ -191,9 +249,9 @@ class LocalLevel(Level):
             return
         for step in sorted(steps & set(self.steps())):
             if not self.is_committed(step):
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
+                remove_entry(self.step_dir(step))
                 continue
-            shutil.rmtree(self.parked_dir(step), ignore_errors=True)
+            remove_entry(self.parked_dir(step))
             os.replace(self.step_dir(step), self.parked_dir(step))
             log.warning("%s: committed step %d was not used by the restore; parked as %s "
                         "until a newer committed step supersedes it", self.root, step,
@@ -202,14 +260,24 @@ class LocalLevel(Level):
 
     # --------------------------------------------------------------- restore
     def inventory(self) -> dict[int, dict[str, Any]]:
-        return {s: {"committed": self.is_committed(s), "have": self.shard_path(s).is_file()}
-                for s in self.steps()}
+        """``{step: {"committed": bool, "have": bool}}`` of the steps on this node; a step
+        whose directory is not private (a planted link) is neither (logged)."""
+        found = {}
+        for s in self.steps():
+            why = self._step_problem(s)
+            if why is not None:
+                log.warning("%s (rank %d, step %d) %s; ftkit does not use it",
+                            self.step_dir(s), self.rank, s, why)
+            found[s] = {"committed": self.is_committed(s),
+                        "have": self.file_problem(self.shard_path(s)) is None}
+        return found
 
     def _existing(self, step: int) -> Path:
         path = self.shard_path(step)
-        if not path.is_file():
-            raise CorruptCheckpointError(str(path), "shard is missing", rank=self.rank,
-                                         step=step, level=self.name)
+        why = self.file_problem(path)
+        if why is not None:
+            raise CorruptCheckpointError(str(path), "shard is missing" if why == "missing"
+                                         else why, rank=self.rank, step=step, level=self.name)
         return path
 
     def check_shard(self, step: int, world: int) -> None:

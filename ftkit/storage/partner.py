@@ -59,23 +59,37 @@ class PartnerLevel(Level):
                  verify=self._verify(step))
 
     def discard(self, step: int) -> None:
+        """Remove my uncommitted copies of ``step``: only regular files in a private step
+        directory (a linked step directory never makes ftkit unlink inside its target)."""
         if not self.local.is_committed(step):
             for q in self.sources:
-                self.copy_path(step, q).unlink(missing_ok=True)
+                path = self.copy_path(step, q)
+                if self.local.file_problem(path) is None:
+                    path.unlink(missing_ok=True)
 
     def held(self, step: int, world: int) -> dict[int, str | None]:
-        """``{source rank: None if my copy of its shard is intact, else why}``. Local."""
+        """``{source rank: None if my copy of its shard is intact, else why}`` (absent
+        copies are left out). Any failure to read or check a copy makes it unusable, and so
+        does a copy or step directory that is not ours (a planted link: never followed).
+        Local."""
         out: dict[int, str | None] = {}
         for q in self.sources:
             path = self.copy_path(step, q)
-            if not path.exists():
-                continue
             try:
+                problem = self.local.file_problem(path)
+                if problem == "missing":
+                    continue
+                if problem is not None:
+                    raise CorruptCheckpointError(str(path), problem, rank=q, step=step,
+                                                 level=self.name)
                 Shard.check(path, rank=q, step=step, world=world, level=self.name)
                 out[q] = None
-            except CorruptCheckpointError as exc:
-                log.warning("partner copy unusable: %s", exc)
-                out[q] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any failure: the copy is unusable
+                why = str(exc) if isinstance(exc, CorruptCheckpointError) else \
+                    f"{path} (level {self.name}, rank {q}, step {step}): " \
+                    f"{type(exc).__name__}: {exc}"
+                log.warning("partner copy unusable: %s", why)
+                out[q] = why
         return out
 
     def rebuild(self, step: int, lost: list[int]) -> None:

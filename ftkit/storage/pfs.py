@@ -11,25 +11,30 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
 2. each node leader writes ``step-<s>/node-<id>.h5`` (temp name, fsync, rename), verifying
    every tensor's bytes against the shard's checksum as it copies them (a corrupt shard fails
    the flush: corruption is never copied to the PFS);
-3. all ranks agree that every node file is durable;
+3. all ranks agree that every node file is durable; node leaders send rank 0 the byte digest
+   of their file (:mod:`ftkit.storage.h5files`);
 4. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
-   id and the node of every rank).
+   id, the node of every rank and the digest of every file, under its own checksum); all
+   ranks agree that it did.
 
 A crash anywhere before 4 leaves a step without ``COMMITTED``, which restore ignores and
-``inspect`` shows as incomplete — never a mix of two timelines under one record.
+``inspect`` shows as incomplete — never a mix of two timelines under one record. An agreed
+failure (a full or failing PFS) makes rank 0 remove the incomplete step directory; the next
+flush removes what a crash left.
 """
 from __future__ import annotations
 
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ftkit.comm.dist import DistComm
 from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
-from ftkit.errors import CheckpointError
+from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage import hdf5
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, fsync_dir
@@ -37,6 +42,7 @@ from ftkit.storage.transfer import exchange, recv_buffer
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PfsLevel:
@@ -71,53 +77,81 @@ class PfsLevel:
 
     def flush(self, step: int) -> float:
         """Write committed ``step`` to HDF5 (see module doc). All ranks call; returns
-        seconds; raises the same CheckpointError everywhere on failure."""
+        seconds; raises the same CheckpointError everywhere on failure, after rank 0 removed
+        the incomplete step directory (a full PFS gets its space back, no temp file stays)."""
         t0 = time.monotonic()
-        failure = None
-        try:            # everything that can fail locally, before any rank sends a byte
+
+        def prepare() -> None:       # everything that can fail locally, before any exchange
             self.faults.fire("flush", step)
             if self.topo.rank == 0:
                 self._prepare(step)
-            if not self.local.shard_path(step).is_file():
-                raise FileNotFoundError(f"{self.local.shard_path(step)} is missing")
-        except Exception as exc:  # noqa: BLE001 - agreed below
-            failure = f"{type(exc).__name__}: {exc}"
-            log.error("rank %d: flush of step %d failed: %s", self.topo.rank, step, failure)
-        self._raise_if(self.dc.agree(failure, "flush", step), step)
-        failure = None
+            why = self.local.file_problem(self.local.shard_path(step))
+            if why is not None:
+                raise FileNotFoundError(f"{self.local.shard_path(step)}: {why}")
+        self._agreed(prepare, step)
+        digest = self._agreed(lambda: self._write_node_file(step), step)
+        digests = self.dc.gather(digest, "flush", step)
+        self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
+        return time.monotonic() - t0
+
+    def _agreed(self, fn: Callable[[], T], step: int) -> T | None:
+        """Run ``fn`` on this rank; all ranks agree on the outcome and raise the same
+        CheckpointError when any failed (rank 0 discards the step's files first)."""
+        failure, result = None, None
         try:
-            self._write_node_file(step)
-        except CheckpointError:
+            result = fn()
+        except ProtocolTimeout:      # a peer is lost or hung: the world aborts, no agreement
             raise
         except Exception as exc:  # noqa: BLE001 - agreed below
             failure = f"{type(exc).__name__}: {exc}"
             log.error("rank %d: flush of step %d failed: %s", self.topo.rank, step, failure)
-        self._raise_if(self.dc.agree(failure, "flush", step), step)
-        if self.topo.rank == 0:
-            self._commit(step)
-        return time.monotonic() - t0
-
-    def _raise_if(self, failures: dict[int, str], step: int) -> None:
+        failures = self.dc.agree(failure, "flush", step)
         if failures:
+            if self.topo.rank == 0:
+                self._discard(step)
             raise CheckpointError(step, failures, message=f"flush of step {step} to "
                                   f"{self.step_dir(step)} (level pfs) failed; the step "
-                                  f"stays incomplete")
+                                  f"stays incomplete and its files were removed")
+        return result
+
+    def _discard(self, step: int) -> None:
+        """Rank 0, after an agreed flush failure: remove the incomplete step directory (never
+        one holding a COMMITTED record)."""
+        d = self.step_dir(step)
+        if (d / hdf5.COMMITTED).exists() or not d.is_dir():
+            return
+        shutil.rmtree(d, ignore_errors=True)
+        try:
+            fsync_dir(d.parent)
+        except OSError as exc:
+            log.warning("removing incomplete PFS step %s: %s", d, exc)
 
     def _prepare(self, step: int) -> None:
         """Rank 0: create the step directory durably; retract an old COMMITTED record of the
-        same step number before anything of the step is rewritten."""
+        same step number before anything of the step is rewritten; remove what crashed
+        flushes left (incomplete step directories, temp files)."""
         hdf5.make_step_dir(self.step_dir(step))
         if hdf5.retract_commit(self.step_dir(step)):
             log.warning("PFS step %d is written again (an older timeline's step %d was "
                         "committed there); its COMMITTED record was removed first",
                         step, step)
+        for d in self.config.job_pfs_dir.glob("step-*"):
+            if d.name != f"step-{step}" and d.is_dir() and not d.is_symlink() \
+                    and not (d / hdf5.COMMITTED).exists():
+                log.warning("removing incomplete PFS step directory %s (left by a flush "
+                            "that did not finish)", d)
+                shutil.rmtree(d, ignore_errors=True)
+        for tmp in self.step_dir(step).glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
-    def _write_node_file(self, step: int) -> None:
+    def _write_node_file(self, step: int) -> dict[str, Any] | None:
+        """Node leaders write their node's file and return ``{"node", "digest"}``; the other
+        ranks send their shard to the leader and return None."""
         leader = 0
         path = self.local.shard_path(step)
         if self.topo.node_rank != leader:
             exchange(self.node_dc, [(path, leader)], [], "flush", step)
-            return
+            return None
         shards = [Shard.open(path, rank=self.topo.rank, step=step)]
         for src in range(1, self.node_dc.size):
             buf = recv_buffer(self.node_dc, src, "flush", step)
@@ -127,26 +161,33 @@ class PfsLevel:
         topo = {r: self._coords(r) for r in self.topo.ranks_on(self.topo.node)}
         node_file = self.step_dir(step) / f"node-{self.topo.node}.h5"
         try:
-            hdf5.write_node_file(node_file, shards, topo)
+            digest = hdf5.write_node_file(node_file, shards, topo)
         finally:
             for shard in shards:
                 shard.close()
         self.faults.after_write(node_file, level=self.name, step=step, ranks=list(topo))
+        return {"node": node_file.name, "digest": digest}
 
     def _coords(self, rank: int) -> dict[str, Any]:
         c = coords_of(rank, self.topo.dp, self.topo.tp, self.topo.pp)
         return {"dp_idx": c.dp, "tp_idx": c.tp, "pp_idx": c.pp, "node": self.topo.rank_node[rank]}
 
-    def _commit(self, step: int) -> None:
+    def _commit(self, step: int, parts: list[Any]) -> None:
+        """Rank 0: write the index, then COMMITTED with the byte digest of every file of the
+        step (``parts``: what each rank returned from :meth:`_write_node_file`)."""
         t = self.topo
         meta = {"job": self.config.job, "step": step, "world": t.world, "dp": t.dp,
                 "tp": t.tp, "pp": t.pp, "nodes": len(t.nodes), "ftkit": _version(),
                 "run": self.run_id}
-        hdf5.write_index(self.step_dir(step), meta,
-                         {r: f"node-{t.rank_node[r]}.h5" for r in range(t.world)})
+        files = {p["node"]: p["digest"] for p in parts if p is not None}
+        files[hdf5.INDEX] = hdf5.write_index(self.step_dir(step), meta,
+                                             {r: f"node-{t.rank_node[r]}.h5"
+                                              for r in range(t.world)})
         hdf5.write_commit(self.step_dir(step), {"step": step, "world": t.world,
                                                 "time": time.time(), "run": self.run_id,
-                                                "nodes": [int(n) for n in t.rank_node]})
+                                                "job": self.config.job,
+                                                "nodes": [int(n) for n in t.rank_node],
+                                                "files": files})
 
 
 def _version() -> str:

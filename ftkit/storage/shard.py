@@ -17,10 +17,14 @@ so a shard either exists complete or not at all; reads are memory-mapped.
 """
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
+import re
+import stat
 import struct
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
@@ -28,7 +32,16 @@ from typing import Any, Self
 import numpy as np
 import xxhash
 
-from ftkit.capture.flatten import TensorLeaf
+from ftkit.capture.flatten import (
+    MAX_DEPTH,
+    DecodeError,
+    TensorLeaf,
+    check_tree,
+    exceeds_depth,
+    leaf_nbytes,
+    short_repr,
+    torch_dtype,
+)
 from ftkit.errors import CorruptCheckpointError
 
 MAGIC = b"FTKSHRD\0"
@@ -87,11 +100,11 @@ def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[Tensor
 
 
 def write_atomic(path: Path, pieces: Iterable[Any]) -> int:
-    """Write ``pieces`` (buffers) to ``path`` atomically: a private temp file in the same
-    directory, fsync, rename, fsync of the directory. Returns the bytes written; on error
-    the temp file is removed and ``path`` is untouched."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write ``pieces`` (buffers) to ``path`` atomically: a new private temp file in the
+    same directory (:func:`create_temp`), fsync, rename, fsync of the directory. Returns the
+    bytes written; on error the temp file is removed and ``path`` is untouched. The rename
+    replaces whatever ``path`` names, a symbolic link included, and never writes through it."""
+    fd, tmp = create_temp(path)
     try:
         size = sum(_write_all(fd, piece) for piece in pieces)
         os.fsync(fd)
@@ -100,9 +113,23 @@ def write_atomic(path: Path, pieces: Iterable[Any]) -> int:
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     return size
+
+
+def create_temp(path: Path) -> tuple[int, Path]:
+    """Create the temp file of an atomic write of ``path``: a new name
+    ``.<name>.<random>.tmp`` in the same directory, mode 0600, opened with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW`` (``tempfile.mkstemp``), so an entry that already has
+    the name (a leftover, a planted symbolic link) is never opened or written through.
+    Returns the open descriptor and the temp path."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    return fd, Path(name)
 
 
 def _write_all(fd: int, data: Any) -> int:
@@ -123,10 +150,23 @@ def fsync_dir(path: Path) -> None:
 
 
 XXH3 = "xxh3-64:"
+_CHECKSUM = re.compile(r"xxh3-64:[0-9a-f]{16}")
+_INT_MAX = 2 ** 63 - 1
+#: JSON nesting of a header: 3 levels per skeleton level (node, items, [key, node]) + a few
+HEADER_DEPTH = 3 * MAX_DEPTH + 8
+_REQUIRED = ("format", "rank", "step", "world", "tree", "tensors")
+_ENTRY = ("path", "kind", "dtype", "shape", "nbytes", "offset", "checksum")
+Span = tuple[int, int, str, str]          # offset, end, checksum, path
 
 
 class ShardFormatError(ValueError):
-    """A shard's preamble or header is malformed (the reason, without file or rank)."""
+    """A shard's preamble or header is malformed (the reason, without file). ``rank`` and
+    ``step`` are what the header claims, when it got far enough to say (else None)."""
+
+    def __init__(self, reason: str, *, rank: int | None = None,
+                 step: int | None = None) -> None:
+        super().__init__(reason)
+        self.rank, self.step = rank, step
 
 
 def header_length(preamble: bytes, size: int) -> int:
@@ -144,32 +184,152 @@ def header_length(preamble: bytes, size: int) -> int:
     return int(hlen)
 
 
-def parse_header(head: bytes, size: int) -> tuple[dict[str, Any], list[tuple[int, int, str, str]]]:
-    """Validate preamble + header bytes ``head`` of a ``size``-byte shard: header checksum,
-    JSON, required keys, and tensor ranges that lie after the header, inside the file and
-    do not overlap. Returns the header and the ranges ``(offset, end, checksum, path)`` in
-    file order. Raises ShardFormatError."""
+def parse_header(head: bytes, size: int) -> tuple[dict[str, Any], list[Span]]:
+    """Validate preamble + header bytes ``head`` of a ``size``-byte shard completely: header
+    checksum; UTF-8 JSON nested at most HEADER_DEPTH levels; identity ints; every tensor
+    entry (allowed kind and dtype, ``nbytes == prod(shape) * itemsize``, an ALIGN-ed offset
+    after the header, inside the file, no two ranges overlapping, an xxh3-64 checksum); the
+    tree (:func:`~ftkit.capture.flatten.check_tree`: grammar, depth, every tensor used
+    once; or ``null``: tensors without a state, as in parity files). Every integer must be
+    a plain int in 0..2**63-1 (``world`` may be -1: parity files). Returns the header and
+    the ranges ``(offset, end, checksum, path)`` in file order. Raises ShardFormatError,
+    and nothing else."""
     hsum = _PREAMBLE.unpack_from(head, 0)[3]
     raw = bytes(head[_PREAMBLE.size:])
     if xxhash.xxh3_64_intdigest(raw) != hsum:
         raise ShardFormatError("header checksum mismatch")
+    header = _load_json(raw)
+    rank, step = _claimed(header, "rank"), _claimed(header, "step")
     try:
-        header = json.loads(raw)
-        spans = sorted((int(t["offset"]), int(t["offset"]) + int(t["nbytes"]),
-                        str(t["checksum"]), str(t["path"])) for t in header["tensors"])
-        header["tree"], header["rank"], header["step"], header["world"]
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
-        raise ShardFormatError(f"malformed shard header: {exc!r}") from exc
-    end = len(head)
-    for off, stop, digest, name in spans:
-        if off < end or stop < off or stop > size:
-            raise ShardFormatError(
-                f"tensor {name} at bytes {off}..{stop} overlaps the header or another "
-                f"tensor, or runs past the end of the {size}-byte file (truncated?)")
-        if not digest.startswith(XXH3):
-            raise ShardFormatError(f"tensor {name} has an unknown checksum {digest!r}")
-        end = stop
-    return header, spans
+        return header, _check_header(header, len(head), size)
+    except ShardFormatError as exc:
+        exc.rank, exc.step = rank, step
+        raise
+    except Exception as exc:       # a gap in the checks above must still read as corrupt
+        raise ShardFormatError(f"unexpected error validating the header: "
+                               f"{type(exc).__name__}: {exc}", rank=rank, step=step) from exc
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:      # UnicodeDecodeError is a ValueError
+        why = " ".join(str(exc).split())
+        raise ShardFormatError(f"malformed shard header: {type(exc).__name__}: "
+                               f"{why[:200]}") from None
+    if exceeds_depth(header, HEADER_DEPTH):
+        raise ShardFormatError(f"malformed shard header: JSON nested deeper than "
+                               f"{HEADER_DEPTH} levels")
+    return header
+
+
+def _claimed(header: Any, key: str) -> int | None:
+    value = header.get(key) if isinstance(header, dict) else None
+    return value if type(value) is int and 0 <= value <= _INT_MAX else None
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value <= _INT_MAX:
+        raise ShardFormatError(f"{what} {short_repr(value)} is not an int in 0..2**63-1")
+    return value
+
+
+def _check_header(header: Any, hend: int, size: int) -> list[Span]:
+    if not isinstance(header, dict):
+        raise ShardFormatError(f"malformed shard header: {short_repr(header)} is not an object")
+    missing = [k for k in _REQUIRED if k not in header]
+    if missing:
+        raise ShardFormatError(f"malformed shard header: no {', '.join(missing)}")
+    if type(header["format"]) is not int or header["format"] != VERSION:
+        raise ShardFormatError(f"header format {short_repr(header['format'])}, expected {VERSION}")
+    _int(header["rank"], "rank")
+    _int(header["step"], "step")
+    world = header["world"]
+    if not (type(world) is int and (world == -1 or 1 <= world <= _INT_MAX)):
+        raise ShardFormatError(f"world size {short_repr(world)} is not a positive int (or -1 "
+                               f"in a parity file)")
+    if not isinstance(header["tensors"], list):
+        raise ShardFormatError("malformed shard header: tensors is not a list")
+    entries = [_entry(i, t) for i, t in enumerate(header["tensors"])]
+    spans = _spans(sorted(span for span, _ in entries), hend, size)
+    if header["tree"] is not None:          # null: raw tensors, e.g. parity (see check)
+        try:
+            check_tree(header["tree"], [leaf for _, leaf in entries])
+        except DecodeError as exc:
+            raise ShardFormatError(str(exc)) from None
+    return spans
+
+
+def _entry(i: int, t: Any) -> tuple[Span, TensorLeaf]:
+    """One validated tensor entry: its byte range and its description."""
+    if not isinstance(t, dict) or not all(k in t for k in _ENTRY):
+        raise ShardFormatError(f"tensor entry {i} is not an object with {', '.join(_ENTRY)}")
+    path = t["path"]
+    if not isinstance(path, str):
+        raise ShardFormatError(f"tensor entry {i} has path {short_repr(path)}, not a string")
+    name = f"{path} (entry {i})"
+    try:
+        want = leaf_nbytes(t["kind"], t["dtype"], t["shape"])
+    except DecodeError as exc:
+        raise ShardFormatError(f"tensor {name}: {exc}") from None
+    nbytes = _int(t["nbytes"], f"tensor {name}: nbytes")
+    offset = _int(t["offset"], f"tensor {name}: offset")
+    if nbytes != want:
+        raise ShardFormatError(f"tensor {name}: nbytes {nbytes}, but {t['kind']} "
+                               f"{t['dtype']} of shape {t['shape']} is {want} bytes")
+    if offset % ALIGN:
+        raise ShardFormatError(f"tensor {name}: offset {offset} is not a multiple of {ALIGN}")
+    digest = t["checksum"]
+    if not isinstance(digest, str) or not _CHECKSUM.fullmatch(digest):
+        raise ShardFormatError(f"tensor {name} has an unknown checksum {short_repr(digest)}")
+    return ((offset, offset + nbytes, digest, path),
+            TensorLeaf(path, t["kind"], t["dtype"], tuple(t["shape"]), nbytes))
+
+
+def _spans(spans: list[Span], hend: int, size: int) -> list[Span]:
+    """Check ranges sorted by offset: after the header (ending at ``hend``), not
+    overlapping, inside the ``size``-byte file."""
+    end, last = hend, "the header"
+    for off, stop, _, name in spans:
+        if off < end:
+            raise ShardFormatError(f"tensor {name} at bytes {off}..{stop} overlaps {last} "
+                                   f"(which ends at byte {end})")
+        if stop > size:
+            raise ShardFormatError(f"tensor {name} at bytes {off}..{stop} runs past the end "
+                                   f"of the {size}-byte file (truncated?)")
+        end, last = stop, f"tensor {name}"
+    return spans
+
+
+def open_regular(path: Path, *, rank: int | None = None, step: int | None = None,
+                 level: str = "local") -> int:
+    """A read-only descriptor of the regular file ``path``: opened with ``O_NOFOLLOW |
+    O_NONBLOCK`` (a symbolic link is never followed, a FIFO never blocks) and checked with
+    ``fstat``. Raises CorruptCheckpointError naming the file (and ``rank``, ``step``,
+    ``level``) for a link or anything else that is not a regular file; OSError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise CorruptCheckpointError(
+                str(path), f"is a symbolic link to {_link_target(path)}; ftkit does not "
+                f"follow it", rank=rank, step=step, level=level) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(str(path), "not a regular file", rank=rank,
+                                         step=step, level=level)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _link_target(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 class Shard:
@@ -182,9 +342,12 @@ class Shard:
     @classmethod
     def open(cls, path: Path, *, rank: int | None = None, step: int | None = None,
              level: str = "local") -> Shard:
-        """Map ``path`` and validate its preamble and header (raises CorruptCheckpointError)."""
+        """Map ``path`` and validate its preamble and header (raises CorruptCheckpointError,
+        and nothing else). A symbolic link, FIFO or device under the name is refused, never
+        followed or read (:func:`open_regular`)."""
         try:
-            with open(path, "rb") as fh:
+            fd = open_regular(path, rank=rank, step=step, level=level)
+            with open(fd, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 head = fh.read(len(MAGIC))
                 if head != MAGIC[:len(head)] or not head:
@@ -205,17 +368,20 @@ class Shard:
     def parse(cls, buf: Any, path: Path, *, rank: int | None = None, step: int | None = None,
               level: str = "local") -> Shard:
         """Validate a shard held in any buffer (a map, or bytes received over MPI); ``path``
-        names it in errors."""
-        def bad(reason: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(str(path), reason, rank=rank, step=step, level=level)
+        names it in errors, with the expected ``rank``/``step`` (or, when None, those the
+        header claims). Raises CorruptCheckpointError, and nothing else."""
         size = len(memoryview(buf))
         if size < _PREAMBLE.size:
-            raise bad(f"{size} bytes, shorter than a shard preamble (truncated?)")
+            raise CorruptCheckpointError(str(path), f"{size} bytes, shorter than a shard "
+                                         f"preamble (truncated?)", rank=rank, step=step,
+                                         level=level)
         try:
             hlen = header_length(bytes(memoryview(buf)[:_PREAMBLE.size]), size)
             header, _ = parse_header(bytes(memoryview(buf)[:_PREAMBLE.size + hlen]), size)
         except ShardFormatError as exc:
-            raise bad(str(exc)) from None
+            raise CorruptCheckpointError(
+                str(path), str(exc), rank=exc.rank if rank is None else rank,
+                step=exc.step if step is None else step, level=level) from None
         shard = cls(path, buf, header)
         shard.check_identity(rank=rank, step=step, level=level)
         return shard
@@ -224,10 +390,22 @@ class Shard:
     def check(cls, path: Path, *, rank: int, step: int, world: int,
               level: str = "local") -> None:
         """Open ``path`` and verify it completely: preamble, header, identity (rank, step,
-        world size) and every tensor's checksum. Raises CorruptCheckpointError."""
+        world size), a state tree, every tensor's checksum, and that this torch has every
+        torch dtype it names: a rank's shard that restore can load. Raises
+        CorruptCheckpointError."""
         with cls.open(path, rank=rank, step=step, level=level) as shard:
             shard.check_identity(rank=rank, step=step, world=world, level=level)
+            if shard.header["tree"] is None:
+                raise CorruptCheckpointError(str(path), "no state tree (tree is null)",
+                                             rank=rank, step=step, level=level)
             shard.verify(level=level)
+            for t in shard.tensors:
+                try:
+                    if t["kind"] == "torch":
+                        torch_dtype(t["dtype"])
+                except DecodeError as exc:
+                    raise CorruptCheckpointError(str(path), f"tensor {t['path']}: {exc}",
+                                                 rank=rank, step=step, level=level) from None
 
     def check_identity(self, *, rank: int | None, step: int | None, world: int | None = None,
                        level: str = "local") -> None:

@@ -34,8 +34,10 @@ from ftkit.storage.shard import (
     Shard,
     ShardFormatError,
     _write_all,
+    create_temp,
     fsync_dir,
     header_length,
+    open_regular,
     parse_header,
 )
 
@@ -43,9 +45,12 @@ CHUNK = 8 << 20
 
 
 @contextlib.contextmanager
-def mapped(path: Path) -> Iterator[np.ndarray]:
-    """Read-only uint8 view of a whole file (empty array for an empty file)."""
-    with open(path, "rb") as fh:
+def mapped(path: Path, *, rank: int | None = None, step: int | None = None,
+           level: str = "local") -> Iterator[np.ndarray]:
+    """Read-only uint8 view of a whole regular file (empty array for an empty file). A
+    symbolic link or anything else that is not a regular file is never followed or read:
+    CorruptCheckpointError naming ``path`` (and ``rank``, ``step``, ``level``)."""
+    with open(open_regular(path, rank=rank, step=step, level=level), "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
             yield np.empty(0, dtype=np.uint8)
@@ -218,8 +223,10 @@ class FileSend:
 class FileRecv:
     """Receive one file from ``source`` into ``path``: the size first, then chunks into two
     reused buffers (one receiving while the other is checked and written), then fsync and
-    rename. Writing through ``write(2)`` avoids a page fault per page of a freshly mapped
-    file. With ``verify``, each chunk is checked by a :class:`StreamCheck` before it is
+    rename. The temp file is a fresh private name (:func:`~ftkit.storage.shard.create_temp`),
+    so a planted ``.<name>.tmp`` link is never written through; it is removed on every
+    failure (:meth:`abandon`). Writing through ``write(2)`` avoids a page fault per page of
+    a freshly mapped file. With ``verify``, each chunk is checked by a :class:`StreamCheck` before it is
     written; after a mismatch the rest of the stream is drained (so the sender completes)
     but nothing more is written, and :meth:`finish` raises."""
 
@@ -227,7 +234,7 @@ class FileRecv:
                  verify: Verify | None = None) -> None:
         self.comm, self.path, self.source, self.tag = comm, path, source, tag
         self.verify = verify
-        self.tmp = path.with_name(f".{path.name}.tmp")
+        self.tmp: Path | None = None                # created by start()
         self.size = np.zeros(1, dtype=np.int64)
         self.size_req: MPI.Request | None = None
         self.check: StreamCheck | None = None
@@ -254,7 +261,7 @@ class FileRecv:
             self.check = StreamCheck(self.path, self.nbytes, source=self.source,
                                      rank=v.rank_of(self.source), step=v.step, world=v.world,
                                      level=v.level)
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fd, self.tmp = create_temp(self.path)
         n = min(CHUNK, self.nbytes)
         self._bufs = [np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)]
         self._post()
@@ -309,18 +316,22 @@ class FileRecv:
             raise self.error
         if self.check is not None:
             self.check.finish()
-        assert self._fd is not None
+        assert self._fd is not None and self.tmp is not None
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
         os.replace(self.tmp, self.path)
+        self.tmp = None
         fsync_dir(self.path.parent)
 
     def abandon(self) -> None:
+        """Close and remove the temp file, if any (idempotent)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self.tmp.unlink(missing_ok=True)
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
+            self.tmp = None
 
 
 # ------------------------------------------------------------------------- calls

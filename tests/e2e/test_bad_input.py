@@ -96,7 +96,7 @@ def test_unusable_local_dir_is_a_clear_error(tmp_path: Path) -> None:
 def tiny_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)],
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k,mode=0700", "tmpfs", str(mnt)],
                           check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")

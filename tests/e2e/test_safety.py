@@ -7,7 +7,8 @@
 * A restore from the PFS level completes the bookkeeping of the node-local levels, so the
   job can commit the step numbers that follow (the newer, unusable local steps do not block
   them) and finishes within its restarts.
-* A PFS flush failure surfaces as the same CheckpointError at the same save on every rank.
+* A PFS flush failure is agreed: every rank logs the same failure once, none raises it, and
+  training goes on without a relaunch.
 """
 from __future__ import annotations
 
@@ -179,26 +180,25 @@ def test_state_of_another_shape_refused(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------- flush errors
 @pytest.mark.timeout(240)
-def test_flush_error_fails_every_rank_at_the_same_save(
+def test_flush_error_is_agreed_logged_once_per_rank_and_not_raised(
         tmp_path: Path, reference_digest: Callable[..., str]) -> None:
-    """A fault raised in rank 3's PFS flush of step 3 (``local:1,pfs:3``): the flush fails on
-    every rank (each logs it, naming the step and rank 3's error), every rank that reports
-    the uncaught error reports the same CheckpointError (its text names the save it surfaced
-    at), the job fails once, is relaunched from the newest step committed on the node-local
-    level, and ends bit-exact. The step 3 on the PFS stays incomplete."""
+    """A fault raised in rank 3's PFS flush of step 3 (``local:1,pfs:3``, log level INFO):
+    every rank logs the same agreed failure exactly once (rank 0 at WARNING, the others at
+    INFO), naming the step and rank 3's error; no rank raises a CheckpointError; the job
+    completes in its first attempt, bit-exact; step 3 on the PFS stays incomplete and step 6
+    is committed there."""
     res = run_toy(tmp_path, steps=8, max_restarts=2, FTKIT_LEVELS="local:1,pfs:3",
-                  FTKIT_FAULTS="raise:rank=3:step=3:phase=flush")
+                  FTKIT_FAULTS="raise:rank=3:step=3:phase=flush", FTKIT_LOG_LEVEL="INFO")
     assert res.rc == 0, res.tail()
     lines = res.attempt_lines()
-    assert len(lines) == 2 and "failed" in lines[0] and "succeeded" in lines[1], lines
+    assert len(lines) == 1 and "succeeded" in lines[0], (lines, res.tail())
     lines = res.stderr.splitlines()
-    for rank in range(4):        # every rank learnt of the failure of rank 3's flush
-        assert any(ln.startswith(f"ftkit[rank {rank}@") and "flush of step 3" in ln
-                   and "rank 3: InjectedFault" in ln for ln in lines), (rank, res.tail())
-    raised = {ln for ln in lines if ln.startswith("ftkit.errors.CheckpointError:")}
-    assert len(raised) == 1, raised            # the same error (at the same save) everywhere
-    assert "step 3" in raised.pop(), res.tail()
-    committed = res.committed(0)
-    assert committed and res.starts[1]["step"] == max(committed) >= 3, (committed, res.starts)
+    for rank in range(4):        # every rank learnt of the failure of rank 3's flush, once
+        logged = [ln for ln in lines if ln.startswith(f"ftkit[rank {rank}@")
+                  and "PFS flush of step 3 failed" in ln]
+        assert len(logged) == 1 and "rank 3: InjectedFault" in logged[0], (rank, res.tail())
+        assert (" WARNING " if rank == 0 else " INFO ") in logged[0], logged
+    assert not [ln for ln in lines if ln.startswith("ftkit.errors.")], res.tail()
     assert not (res.pfs / "e2e" / "step-3" / "COMMITTED").exists()
+    assert (res.pfs / "e2e" / "step-6" / "COMMITTED").is_file()
     assert res.done["digest"] == reference_digest(4, 8), res.tail()

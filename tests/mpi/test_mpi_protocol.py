@@ -237,7 +237,8 @@ def test_unusable_local_dir_on_one_node_is_config_error_everywhere(ftkit_env):
     """Node 1's directory is a plain file: ranks 2 and 3 cannot prepare it, and every rank
     raises the same ConfigError naming them (nobody hangs in a later collective)."""
     if RANK == 0:
-        ftkit_env.node_dir(1).parent.mkdir(parents=True)
+        ftkit_env.local_dir.mkdir(mode=0o700, exist_ok=True)
+        ftkit_env.node_dir(1).parent.mkdir(mode=0o700)
         ftkit_env.node_dir(1).write_text("not a directory")
     WORLD.Barrier()
     with topology() as topo:

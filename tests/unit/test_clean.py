@@ -31,7 +31,10 @@ def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
 
 
 def _write(path: Path, data: bytes = b"") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write a file; directories are created private (0700), as ftkit creates them."""
+    missing = [p for p in path.parents if not p.exists()]
+    for d in reversed(missing):
+        d.mkdir(mode=0o700)
     path.write_bytes(data)
 
 
@@ -185,3 +188,17 @@ def test_clean_imports_neither_mpi4py_nor_torch(tmp_path: Path) -> None:
     env.update(PYTHONPATH=str(REPO), FTKIT_PFS_DIR=str(tmp_path / "p"),
                FTKIT_LOCAL_DIR=str(tmp_path / "l"))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
+
+
+def test_refuses_a_local_job_directory_that_is_not_private(roots: tuple[Path, Path],
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """On a shared /dev/shm the job directory may be another user's (or opened up): before,
+    clean deleted whatever was in it."""
+    pfs, local = roots
+    make_job(pfs, local, "j1")
+    (local / "j1").chmod(0o777)
+    assert main(["clean", "j1"]) == 1
+    err = capsys.readouterr().err
+    assert f"refused: {local / 'j1'}" in err and "open to group/others" in err
+    assert "mode 0777" in err and (local / "j1" / "node-0" / "step-4").is_dir()
+    assert (pfs / "j1" / "step-5").is_dir()                # nothing removed at all

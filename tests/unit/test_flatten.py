@@ -3,6 +3,7 @@
 Background staging (and torn-snapshot detection) is tested in test_staging.py."""
 from __future__ import annotations
 
+import importlib
 import math
 import struct
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from ftkit.capture.staging import Stager
 from ftkit.errors import CheckpointError
 
 Roundtrip = Callable[[Any], Any]
+fl = importlib.import_module("ftkit.capture.flatten")   # the module, not the function
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support:UserWarning")
 
 _OPTIONAL = ("uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2",
@@ -408,3 +410,121 @@ _trees = st.recursive(
 @given(tree=_trees)
 def test_random_trees_roundtrip(tree: Any, roundtrip: Roundtrip) -> None:
     assert_same({"root": tree}, roundtrip({"root": tree}))
+
+
+# ------------------------------------------------------ trees that do not decode
+def _t(i: int, **extra: Any) -> dict[str, Any]:
+    return {"t": "tensor", "i": i, **extra}
+
+
+def _d(*items: Any) -> dict[str, Any]:
+    return {"t": "dict", "items": [list(kv) for kv in items]}
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"t": "v", "v": 1}
+    for _ in range(levels):
+        node = {"t": "list", "items": [node]}
+    return _d(("a", _t(0)), ("b", _t(1)), ("deep", node))
+
+
+@pytest.mark.parametrize(("skel", "path", "what"), [
+    (_d(("a", _t(0)), ("b", {"t": "list", "items": [_t(5)]})), "b/0", "index 5"),
+    (_d(("a", _t(0)), ("b", _t(-1))), "b", "index -1"),
+    (_d(("a", _t(0)), ("b", _t(True))), "b", "index True"),
+    (_d(("a", _t(0)), ("b", _t(0))), "b", "more than once"),
+    (_d(("a", _t(0))), "<root>", "not used"),
+    (_d(("a", _t(0)), ("b", _t(1)), ("m", {"t": "list", "items": [{"t": "nope"}]})), "m/0",
+     "unknown"),
+    (_d(("a", _t(0)), ("b", _t(1)), ("x", _d(("y", {"t": "f", "v": "zz"})))), "x/y", "float"),
+    (_d(("a", _t(0)), ("b", _t(1)), ("d", {"t": "dict", "items": [[1]]})), "d", "pair"),
+    (_d(("a", _t(0)), ("b", _t(1)), ("d", _d(([1], {"t": "v", "v": 1})))), "d", "key"),
+    (_d(("a", _t(0)), ("b", _t(1)), ("a", {"t": "v", "v": 1})), "<root>", "twice"),
+    (_d(("a", _t(0)), ("b", _t(1)), ("v", {"t": "v", "v": [1]})), "v", "value"),
+    (_d(("a", _t(0, scalar=True)), ("b", _t(1))), "a", "scalar"),
+    (_nested(200), "deep/0/0/...", "deeper than"),
+    (_nested(100_000), "deep/0/0/...", "deeper than"),
+    (5, "<root>", "node"),
+], ids=["index-out-of-range", "index-negative", "index-bool", "index-repeated",
+        "index-unused", "unknown-node", "bad-float", "item-not-pair", "unhashable-key",
+        "duplicate-key", "value-list", "scalar-on-torch", "deep-200", "deep-100k", "not-a-node"])
+def test_unflatten_refuses_a_tree_that_does_not_fit(skel: Any, path: str, what: str) -> None:
+    """One error type (a ValueError subclass) naming the path in the state tree."""
+    tensors = [torch.zeros(2), np.arange(3)]
+    with pytest.raises(fl.DecodeError) as info:
+        unflatten(skel, tensors)
+    assert isinstance(info.value, ValueError)
+    where = path.removesuffix("...")
+    assert info.value.path == path or where != path and info.value.path.startswith(where)
+    assert where in str(info.value) and what in str(info.value), info.value
+
+
+@pytest.mark.parametrize(("kind", "dtype", "shape", "nbytes", "raw", "what"), [
+    ("torch", "float32", (3,), 12, 8, "bytes"),
+    ("torch", "float32", (4,), 12, 12, "shape"),
+    ("torch", "Tensor", (3,), 12, 12, "dtype"),
+    ("torch", "qint8", (3,), 3, 3, "dtype"),
+    ("numpy", "|O", (3,), 24, 24, "dtype"),
+    ("numpy", "i2", (3,), 6, 6, "dtype"),
+    ("numpy", 'json:[["a", "|O"]]', (1,), 8, 8, "dtype"),
+    ("numpy", "<f4", (-3,), -12, 12, "shape"),
+    ("numpy", "<f4", (2,), 8, 12, "bytes"),
+    ("pickle", "<f4", (3,), 12, 12, "kind"),
+], ids=["raw-short", "shape-mismatch", "torch-attribute", "quantized", "object", "alias",
+        "structured-object", "negative-dim", "raw-long", "unknown-kind"])
+def test_leaf_from_bytes_refuses_a_leaf_that_does_not_fit(
+        kind: str, dtype: str, shape: tuple[int, ...], nbytes: int, raw: int, what: str) -> None:
+    from ftkit.capture.flatten import TensorLeaf
+    with pytest.raises(fl.DecodeError) as info:
+        leaf_from_bytes(TensorLeaf("m/w", kind, dtype, shape, nbytes),
+                        np.zeros(raw, dtype=np.uint8))
+    assert info.value.path == "m/w" and "m/w" in str(info.value), info.value
+    assert what in str(info.value), info.value
+
+
+def test_state_nesting_is_bounded_on_both_sides(roundtrip: Roundtrip) -> None:
+    """flatten refuses a state nested deeper than MAX_DEPTH (a reader would refuse it);
+    one exactly at the limit survives a shard."""
+    deepest: Any = torch.ones(2)
+    for _ in range(fl.MAX_DEPTH - 1):
+        deepest = {"a": deepest}
+    assert_same(deepest, roundtrip(deepest))
+    with pytest.raises(UnsupportedLeaf, match="deeper than"):
+        flatten({"a": deepest})
+
+
+def _all_torch_dtypes() -> list[torch.dtype]:
+    found = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    return sorted((d for d in found if not str(d).startswith(("torch.qint", "torch.quint"))),
+                  key=str)
+
+
+@pytest.mark.parametrize("dtype", _all_torch_dtypes(), ids=str)
+def test_every_non_quantized_torch_dtype_is_allowed(dtype: torch.dtype,
+                                                    roundtrip: Roundtrip) -> None:
+    """The reader's torch allow-list covers every dtype flatten stores; flatten refuses the
+    others up front (sub-byte ints: torch cannot even copy them)."""
+    name = str(dtype).removeprefix("torch.")
+    state = {"t": torch.zeros(3, 2, dtype=dtype)}
+    if name not in fl.TORCH_ITEMSIZE:
+        assert name.removeprefix("u") in {f"int{n}" for n in range(1, 8)}, name
+        with pytest.raises(UnsupportedLeaf, match="allow-list"):
+            flatten(state)
+        return
+    assert fl.itemsize("torch", name) == dtype.itemsize
+    out = roundtrip(state)
+    assert out["t"].dtype == dtype and out["t"].shape == (3, 2)
+
+
+@pytest.mark.parametrize("descr", ["|O", "O", "object", "i2", "<f3", "json:{", "json:[1]",
+                                   'json:[["a", "|O"]]', "json:" + "[" * 100_000])
+def test_numpy_descr_outside_the_allow_list(descr: str) -> None:
+    with pytest.raises(fl.DecodeError):
+        fl.itemsize("numpy", descr)
+
+
+@pytest.mark.parametrize("dtype", ["<f2", ">f8", "|b1", "<U7", "|S5", "<M8[ns]", "<m8[s]",
+                                   "|V8", [("a", "<i4"), ("b", "<f8", (2,))]], ids=str)
+def test_numpy_descr_flatten_produces_is_allowed(dtype: Any) -> None:
+    _, leaves = flatten({"a": np.zeros(2, dtype=dtype)})
+    assert fl.itemsize("numpy", leaves[0].dtype) == np.dtype(dtype).itemsize

@@ -609,7 +609,7 @@ def test_cli_bad_config_exits_2(job: Path, fake: str, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("argv", [
     [], ["run"], ["run", "-n", "2"], ["run", "-n", "2", "--"], ["run", "-n", "0", "--", "x"],
     ["run", "-n", "2", "--max-restarts", "-1", "--", "x"],
-    ["run", "-n", "2", "--attempt-timeout", "0", "--", "x"],
+    ["run", "-n", "2", "--attempt-timeout", "-1", "--", "x"],
     ["run", "-n", "2", "--launcher", "lam", "--", "x"],
     ["run", "-n", "2", "--launcher", "srun", "--", "x"],
     ["nosuchcommand"],

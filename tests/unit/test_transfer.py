@@ -29,7 +29,8 @@ def make_shard(path: Path, *, rank: int = OWNER, step: int = STEP, world: int = 
     bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     leaves = [TensorLeaf(f"t/{i}", "numpy", "|u1", (n,), n) for i, n in enumerate(sizes)]
     write_shard(path, {"job": "unit", "step": step, "rank": rank, "world": world},
-                {"tree": "x"}, leaves, bufs)
+                {"t": "dict", "items": [[f"t{i}", {"t": "tensor", "i": i}]
+                                        for i in range(len(sizes))]}, leaves, bufs)
     return path.read_bytes()
 
 

@@ -1,0 +1,212 @@
+"""Reading a PFS step (HDF5, :mod:`ftkit.storage.hdf5`) as untrusted input.
+
+:class:`StepReader` trusts nothing it has not checked, in this order:
+
+1. the step's ``COMMITTED`` record (its own checksum; required for restore, used whenever
+   present), which holds a byte digest of every HDF5 file of the step;
+2. each file, against its digest, *before* h5py opens it (:func:`h5files.check_file`): libhdf5
+   never parses a damaged byte of a committed step;
+3. each file's root (``format``, ``meta_checksum``) and the index's ``world``/``step``/``job``;
+4. ``/rank/<r>``: the index's external link is resolved by ftkit, not by HDF5 — only a
+   ``node-<id>.h5`` inside the step directory, opened by that validated name (HDF5 would also
+   search the working directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
+5. the rank group (:meth:`hdf5.RankGroup.load`): seal, identity, hard links only, storage inside
+   the file, attributes against stored dtype/shape, tree against datasets;
+6. every tensor's bytes against its checksum as they are read.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage import h5files
+from ftkit.storage.hdf5 import (
+    COMMITTED,
+    INDEX,
+    RankGroup,
+    check_root,
+    raw_bytes,
+    read_commit,
+)
+from ftkit.storage.shard import checksum
+
+
+def _h5py() -> Any:
+    import h5py
+    return h5py
+
+
+class StepReader:
+    """A verified, open index ``step_dir/ftkit.h5`` (or ``file``, e.g. a node file of the
+    step, read on its own; context manager). ``meta``: its attributes, trusted.
+
+    ``require_commit``: the step must have a verified COMMITTED record with file digests
+    (restore); otherwise one is used when present. ``job``: the job the step must belong to."""
+
+    def __init__(self, step_dir: Path, step: int | None = None, *,
+                 file: Path | None = None, job: str | None = None,
+                 require_commit: bool = False) -> None:
+        self.step_dir, self.step, self.job = Path(step_dir), step, job
+        self.path = Path(file) if file is not None else self.step_dir / INDEX
+        self.alone = file is not None
+        self.record: dict[str, Any] | None = None
+        self.digests: dict[str, Any] | None = None
+        if require_commit or os.path.lexists(self.step_dir / COMMITTED):
+            self.record = read_commit(self.step_dir, step)
+            files = self.record.get("files")
+            if not isinstance(files, dict):
+                raise CorruptCheckpointError(
+                    str(self.step_dir / COMMITTED), "records no file digests (written by an "
+                    "older ftkit): its HDF5 files cannot be checked before they are opened",
+                    step=step, level="pfs")
+            self.digests = files
+        self._nodes: dict[str, tuple[Any, int]] = {}
+        self.h5, self.size = self._open(self.path, None)
+        try:
+            self.meta = check_root(self.h5, str(self.path), step=step)
+            self._check_job(self.meta.get("job"), str(self.path))
+        except BaseException:
+            self.h5.close()
+            raise
+
+    def _check_job(self, job: Any, where: str) -> None:
+        if self.job is not None and job is not None and job != self.job:
+            raise CorruptCheckpointError(where, f"belongs to job {job!r}, not {self.job!r}",
+                                         step=self.step, level="pfs")
+
+    def _open(self, path: Path, rank: int | None) -> tuple[Any, int]:
+        """Check ``path`` against its digest (when the step has them), then open it. A
+        file the record does not list is refused, unless it is the one file asked for."""
+        digest = None if self.digests is None else self.digests.get(path.name)
+        alone = self.alone and path == self.path     # a file asked for by name
+        if self.digests is not None and (digest is not None or not alone):
+            h5files.check_file(path, digest, step=self.step, rank=rank)
+        size = h5files.regular_file(path, step=self.step, rank=rank)
+        return h5files.open_file(path, step=self.step, rank=rank), size
+
+    def close(self) -> None:
+        for h5, _ in self._nodes.values():
+            h5.close()
+        self._nodes.clear()
+        self.h5.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ranks(self) -> list[int]:
+        """The ranks the file links or holds (``/rank/<r>`` members with a decimal name)."""
+        if not isinstance(self.h5.get("rank", getlink=True), _h5py().HardLink):
+            return []
+        return sorted(int(n) for n in self.h5["rank"] if n.isdecimal())
+
+    def _node(self, name: str, rank: int) -> tuple[Any, int]:
+        if name not in self._nodes:
+            path = self.step_dir / name
+            h5, size = self._open(path, rank)
+            try:
+                check_root(h5, str(path), step=self.step)
+            except BaseException:
+                h5.close()
+                raise
+            self._nodes[name] = (h5, size)
+        return self._nodes[name]
+
+    def group(self, rank: int) -> RankGroup:
+        """The verified group of ``rank`` (through the index's link, resolved by ftkit)."""
+        h5py = _h5py()
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{self.path}:/rank/{rank}", why, rank=rank,
+                                          step=self.step, level="pfs")
+        top = self.h5.get("rank", getlink=True)
+        link = self.h5["rank"].get(str(rank), getlink=True) \
+            if isinstance(top, h5py.HardLink) else None
+        if link is None:
+            raise bad(f"rank {rank} is not linked")
+        if isinstance(link, h5py.ExternalLink):
+            name = h5files.node_file_name(link.filename)
+            if name is None or link.path != f"/rank/{rank}":
+                raise bad(f"links to {link.filename}:{link.path}; only /rank/{rank} of a "
+                          f"node-<id>.h5 file in the step directory is followed")
+            h5, size = self._node(name, rank)
+            file = self.step_dir / name
+        elif isinstance(link, h5py.HardLink):
+            h5, size, file = self.h5, self.size, self.path
+        else:
+            raise bad(f"is a {type(link).__name__}; expected an external link to a node file")
+        grp = _rank_group(h5, rank, file, self.step)
+        world = self.meta.get("world")
+        return RankGroup.load(grp, file, rank=rank, step=self.step,
+                              world=world if isinstance(world, int) else None,
+                              job=self.meta.get("job") or self.job, file_size=size)
+
+    def read(self, rank: int, *, verify: bool = True,
+             progress: Callable[[int], None] | None = None
+             ) -> tuple[RankGroup, list[np.ndarray]]:
+        """``rank``'s verified group and raw uint8 arrays in tree order; with ``verify``,
+        every tensor's checksum checked. ``progress(n)`` is called before each tensor is read
+        with its size and with 0 once it is (a deadline can allow for the bytes announced).
+        Raises CorruptCheckpointError."""
+        group = self.group(rank)
+        arrays = []
+        for entry, ds in zip(group.entries, group.datasets):
+            if progress is not None:
+                progress(entry["nbytes"])
+            arrays.append(self._tensor(rank, group, entry, ds, verify))
+            if progress is not None:
+                progress(0)
+        return group, arrays
+
+
+    def _tensor(self, rank: int, group: RankGroup, entry: dict[str, Any], ds: Any,
+                verify: bool) -> np.ndarray:
+        """One dataset's bytes (flat uint8), size and (with ``verify``) checksum checked."""
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{group.file}:{ds.name}", why, rank=rank,
+                                          step=self.step, level="pfs")
+        try:
+            raw = raw_bytes(ds[()])
+        except Exception as exc:
+            raise bad(f"unreadable data: {type(exc).__name__}: {exc}") from exc
+        if raw.nbytes != entry["nbytes"]:
+            raise bad(f"read {raw.nbytes} bytes, expected {entry['nbytes']}")
+        if verify and (got := checksum(raw)) != entry["checksum"]:
+            raise bad(f"checksum mismatch (stored {entry['checksum']}, data has {got})")
+        return raw
+
+
+def _rank_group(h5: Any, rank: int, file: Path, step: int | None) -> Any:
+    """``/rank/<r>`` of an open node file, reached by hard links only."""
+    h5py = _h5py()
+    top = h5.get("rank", getlink=True)
+    link = h5["rank"].get(str(rank), getlink=True) if isinstance(top, h5py.HardLink) else None
+    grp = h5.get(f"rank/{rank}") if isinstance(link, h5py.HardLink) else None
+    if not isinstance(grp, h5py.Group):
+        raise CorruptCheckpointError(f"{file}:/rank/{rank}", "no such group (or not a plain "
+                                     "group)", rank=rank, step=step, level="pfs")
+    return grp
+
+
+def read_rank(step_dir: Path, rank: int, *, step: int | None = None, verify: bool = True
+              ) -> tuple[dict[str, Any], list[dict[str, Any]], list[np.ndarray]]:
+    """Read ``/rank/<r>`` through the index: (group attrs, tensor entries, raw uint8 arrays)
+    in leaf order; metadata and data checksums verified. Raises CorruptCheckpointError
+    naming the file."""
+    with StepReader(step_dir, step) as reader:
+        group, arrays = reader.read(rank, verify=verify)
+    return group.attrs, group.entries, arrays
+
+
+def read_index_attrs(step_dir: Path, step: int | None = None) -> dict[str, Any]:
+    """Verified attributes of ``step_dir/ftkit.h5`` (CorruptCheckpointError when unreadable
+    or not trusted)."""
+    with StepReader(step_dir, step) as reader:
+        return reader.meta
