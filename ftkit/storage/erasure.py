@@ -133,12 +133,16 @@ class ErasureLevel(Level):
                   ) -> np.ndarray | CorruptCheckpointError:
         """A view of my shard of ``step`` (mapped as long as ``stack``), or why it is not
         usable (the error, not raised: every member must reach the next collective)."""
+        path = self.local.shard_path(step)
         try:
-            path = self._own_file(self.local.shard_path(step), step, "shard")
-            return stack.enter_context(mapped(path, rank=self.local.rank, step=step,
+            return stack.enter_context(mapped(self._own_file(path, step, "shard"),
+                                              rank=self.local.rank, step=step,
                                               level=self.name))
         except CorruptCheckpointError as exc:
             return exc
+        except OSError as exc:
+            return CorruptCheckpointError(str(path), f"cannot read: {exc}",
+                                          rank=self.local.rank, step=step, level=self.name)
 
     def _refuse_unusable(self, step: int, problems: list[str | None]) -> None:
         """Raise CorruptCheckpointError when any member's shard is unusable (``problems`` by
@@ -231,7 +235,8 @@ class ErasureLevel(Level):
         try:
             if not os.path.lexists(path):
                 return None
-            with Shard.open(self._own_file(path, step, "parity"), rank=self.local.rank, step=step, level=self.name) as shard:
+            with Shard.open(self._own_file(path, step, "parity"), rank=self.local.rank,
+                            step=step, level=self.name) as shard:
                 shard.verify(level=self.name)
                 why = self._foreign(shard.header)
                 if why:

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -385,18 +386,14 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
-                    ) -> dict[str, Any]:
-    """Write the node file atomically (temp name, fsync, rename, fsync dir); a corrupt shard
-    raises CorruptCheckpointError and leaves no file. Returns its file digest (for COMMITTED,
-    see :mod:`ftkit.storage.h5files`)."""
-    h5py = _h5py()
+def _write_atomic(path: Path, fill: Callable[[Any], None]) -> dict[str, Any]:
+    """Create an HDF5 file at ``path`` atomically: ``fill`` writes into a temp file, whose
+    root is then sealed; fsync, file digest, rename, fsync of the directory. No temp file is
+    left on failure. Returns the file digest (for COMMITTED, :mod:`ftkit.storage.h5files`)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with h5py.File(tmp, "w") as h5:
-            h5.attrs["format"] = FORMAT
-            for shard in shards:
-                write_rank_group(h5, shard, topology[shard.header["rank"]])
+        with _h5py().File(tmp, "w") as h5:
+            fill(h5)
             seal(h5)
         _fsync_file(tmp)
         digest = h5files.file_digest(tmp)
@@ -408,27 +405,29 @@ def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[st
     return digest
 
 
+def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
+                    ) -> dict[str, Any]:
+    """Write the node file atomically; a corrupt shard raises CorruptCheckpointError and
+    leaves no file. Returns its file digest."""
+    def fill(h5: Any) -> None:
+        h5.attrs["format"] = FORMAT
+        for shard in shards:
+            write_rank_group(h5, shard, topology[shard.header["rank"]])
+    return _write_atomic(path, fill)
+
+
 def write_index(step_dir: Path, meta: dict[str, Any], rank_files: dict[int, str]
                 ) -> dict[str, Any]:
-    """Write ``ftkit.h5``: job attributes and external links to every rank's group (temp
-    name, fsync, rename, fsync dir; no temp file left on failure). Returns its file digest."""
+    """Write ``ftkit.h5`` atomically: job attributes and external links to every rank's
+    group. Returns its file digest."""
     h5py = _h5py()
-    tmp = step_dir / f".{INDEX}.tmp"
-    try:
-        with h5py.File(tmp, "w") as h5:
-            h5.attrs.update({"format": FORMAT, "time": time.time(), **meta})
-            ranks = h5.create_group("rank")
-            for rank, fname in sorted(rank_files.items()):
-                ranks[str(rank)] = h5py.ExternalLink(fname, f"/rank/{rank}")
-            seal(h5)
-        _fsync_file(tmp)
-        digest = h5files.file_digest(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, step_dir / INDEX)
-    fsync_dir(step_dir)
-    return digest
+
+    def fill(h5: Any) -> None:
+        h5.attrs.update({"format": FORMAT, "time": time.time(), **meta})
+        ranks = h5.create_group("rank")
+        for rank, fname in sorted(rank_files.items()):
+            ranks[str(rank)] = h5py.ExternalLink(fname, f"/rank/{rank}")
+    return _write_atomic(step_dir / INDEX, fill)
 
 
 def record_checksum(record: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """Shared helpers of the unit tests (plain pytest, no MPI)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,3 +32,17 @@ def shard_roundtrip(state: Any, directory: Path, name: str = "rank-0.ftk") -> An
 def roundtrip(tmp_path: Path) -> Callable[[Any], Any]:
     """``roundtrip(state)`` writes ``state`` to a shard under tmp_path and reads it back."""
     return lambda state: shard_roundtrip(state, tmp_path)
+
+
+@pytest.fixture
+def launch_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A clean ftkit environment for ``ftkit run``: no FTKIT_*/fake-mpiexec/Slurm variables
+    of the caller, PFS and local dirs under tmp_path (the working directory); the job dir."""
+    for key in list(os.environ):
+        if key.startswith(("FTKIT_", "FAKE_MPIEXEC_")) or key == "SLURM_JOB_ID":
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FTKIT_PFS_DIR", str(tmp_path / "pfs"))
+    monkeypatch.setenv("FTKIT_LOCAL_DIR", str(tmp_path / "local"))
+    monkeypatch.setenv("FTKIT_JOB", "t")
+    return tmp_path / "pfs" / "t"

@@ -130,16 +130,12 @@ def test_hostlist_at_the_caps() -> None:
 
 # --------------------------------------------------------------- Open MPI as root: once
 @pytest.fixture
-def job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """A clean ftkit environment with PFS and local dirs under tmp_path; the job dir."""
+def job(launch_env: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """test_launch's clean ftkit environment, without the user's OMPI_ALLOW_* variables."""
     for key in list(os.environ):
-        if key.startswith(("FTKIT_", "FAKE_MPIEXEC_", "OMPI_ALLOW")) or key == "SLURM_JOB_ID":
+        if key.startswith("OMPI_ALLOW"):
             monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FTKIT_PFS_DIR", str(tmp_path / "pfs"))
-    monkeypatch.setenv("FTKIT_LOCAL_DIR", str(tmp_path / "local"))
-    monkeypatch.setenv("FTKIT_JOB", "t")
-    return tmp_path / "pfs" / "t"
+    return launch_env
 
 
 @pytest.fixture

@@ -54,16 +54,9 @@ HYDRA_VERSION = "HYDRA build details:\n    Version:                             
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture
-def job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+def job(launch_env: Path) -> Path:
     """A clean ftkit environment with PFS and local dirs under tmp_path; returns the job dir."""
-    for key in list(os.environ):
-        if key.startswith(("FTKIT_", "FAKE_MPIEXEC_")) or key == "SLURM_JOB_ID":
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FTKIT_PFS_DIR", str(tmp_path / "pfs"))
-    monkeypatch.setenv("FTKIT_LOCAL_DIR", str(tmp_path / "local"))
-    monkeypatch.setenv("FTKIT_JOB", "t")
-    return tmp_path / "pfs" / "t"
+    return launch_env
 
 
 @pytest.fixture
