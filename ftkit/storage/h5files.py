@@ -59,12 +59,15 @@ def regular_file(path: Path, *, step: int | None = None, rank: int | None = None
     return int(st.st_size)
 
 
-def open_file(path: Path, *, step: int | None = None, rank: int | None = None) -> Any:
-    """Open ``path`` read-only with h5py after checking it is a regular file (not a symlink,
-    FIFO or device). Raises CorruptCheckpointError naming the file."""
-    regular_file(path, step=step, rank=rank)
+def open_file(path: Path, digest: Any = None, *, check: bool = False,
+              step: int | None = None, rank: int | None = None) -> tuple[Any, int]:
+    """(h5py file open read-only, size) of ``path``, after checking it is a regular file
+    (not a symlink, FIFO or device) — with ``check``, against its recorded ``digest``
+    (:func:`check_file`). Raises CorruptCheckpointError naming the file."""
+    size = check_file(path, digest, step=step, rank=rank) if check else \
+        regular_file(path, step=step, rank=rank)
     try:
-        return _h5py().File(path, "r", locking=False)
+        return _h5py().File(path, "r", locking=False), size
     except Exception as exc:
         raise CorruptCheckpointError(str(path), f"cannot read as HDF5: {type(exc).__name__}: "
                                      f"{exc}", rank=rank, step=step, level="pfs") from exc
@@ -189,10 +192,11 @@ def _valid_ranges(raw: Any, size: int) -> bool:
 
 
 def check_file(path: Path, digest: Any, *, step: int | None = None,
-               rank: int | None = None) -> None:
+               rank: int | None = None) -> int:
     """Verify ``path`` against its recorded ``digest`` before anything parses it: a regular
     file of the recorded size whose bytes outside the raw-data ranges hash to ``meta``.
-    Raises CorruptCheckpointError naming the file (and step/rank when given)."""
+    Returns the size. Raises CorruptCheckpointError naming the file (and step/rank when
+    given)."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(str(path), why, rank=rank, step=step, level="pfs")
     size = regular_file(path, step=step, rank=rank)
@@ -217,3 +221,4 @@ def check_file(path: Path, digest: Any, *, step: int | None = None,
         raise bad(f"HDF5 metadata digest mismatch: COMMITTED recorded {digest['meta']}, the "
                   f"file's bytes outside its tensor data give {got} (damaged or changed after "
                   f"the step was committed); not opened")
+    return size

@@ -84,10 +84,8 @@ class StepReader:
         file the record does not list is refused, unless it is the one file asked for."""
         digest = None if self.digests is None else self.digests.get(path.name)
         alone = self.alone and path == self.path     # a file asked for by name
-        if self.digests is not None and (digest is not None or not alone):
-            h5files.check_file(path, digest, step=self.step, rank=rank)
-        size = h5files.regular_file(path, step=self.step, rank=rank)
-        return h5files.open_file(path, step=self.step, rank=rank), size
+        check = self.digests is not None and (digest is not None or not alone)
+        return h5files.open_file(path, digest, check=check, step=self.step, rank=rank)
 
     def close(self) -> None:
         for h5, _ in self._nodes.values():

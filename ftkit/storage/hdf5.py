@@ -470,16 +470,9 @@ def read_commit(step_dir: Path, step: int | None = None) -> dict[str, Any]:
 
 def make_step_dir(step_dir: Path) -> None:
     """Create ``step_dir`` (and missing parents, mode 0700) durably: the parent of every
-    directory created is fsynced."""
+    directory created is fsynced (by :func:`ftkit.storage.local.make_private_dir`)."""
     from ftkit.storage.local import make_private_dir
-    missing = []
-    p = step_dir
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
     make_private_dir(step_dir)
-    for d in reversed(missing):
-        fsync_dir(d.parent)
 
 
 def retract_commit(step_dir: Path) -> bool:

@@ -27,6 +27,7 @@ from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
 from ftkit.storage.level import Level
 from ftkit.storage.private import (
     check_private_dir,
+    create_missing_dirs,
     create_new,
     ensure_private_tree,
     problem,
@@ -49,17 +50,7 @@ def make_private_dir(path: Path) -> None:
     """Create ``path`` (and missing parents) with mode 0700; tighten an existing one. For
     trees no other user can write to (the PFS steps); the node-local tree, which lives in
     a shared directory, uses :func:`ftkit.storage.private.ensure_private_tree`."""
-    missing = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-        except FileExistsError:
-            continue
-        fsync_dir(d.parent)          # the new entry survives a crash of the node
+    create_missing_dirs(path)
     if not path.is_dir():
         raise NotADirectoryError(f"{path} exists and is not a directory")
     if path.stat().st_mode & 0o077:

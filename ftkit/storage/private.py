@@ -89,16 +89,26 @@ def check_private_dir(path: Path, hint: str = INNER_HINT) -> None:
             f"{hint}")
 
 
+def create_missing_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, mode 0700, durably (the parent of every
+    directory created is fsynced). Existing entries are left as they are (not followed, not
+    changed); one created meanwhile by another rank of the node is fine."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue                              # another rank of the node was faster
+        fsync_dir(d.parent)                       # the new entry survives a crash
+
+
 def ensure_private_dir(path: Path, hint: str = INNER_HINT) -> None:
     """Create ``path`` with mode 0700 when missing (its parent fsynced), then check whatever
     is there with :func:`check_private_dir`."""
-    if not os.path.lexists(path):
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass                                  # another rank of the node was faster
-        else:
-            fsync_dir(path.parent)                # the new entry survives a crash
+    create_missing_dirs(path)
     check_private_dir(path, hint)
 
 
@@ -108,17 +118,7 @@ def ensure_private_tree(base: Path, path: Path) -> None:
     directory from it down to ``path`` are created or checked private. Raises
     UnsafeLocalDirError (naming path, owner and mode) for one that is not."""
     rel = path.relative_to(base)
-    missing = []
-    parent = base.parent
-    while not os.path.lexists(parent):
-        missing.append(parent)
-        parent = parent.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            continue
-        fsync_dir(d.parent)
+    create_missing_dirs(base.parent)
     ensure_private_dir(base, BASE_HINT)
     for part in rel.parts:
         base = base / part
