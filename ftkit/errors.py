@@ -101,6 +101,12 @@ class StateMismatchError(CheckpointError):
     recurs = True
 
 
+class JobLockedError(ConfigError):
+    """Another instance of the same job holds its lock (:mod:`ftkit.joblock`): two writers
+    of one job would destroy each other's checkpoints. The message names the job, the
+    holder (host, pid, role) and what to do. A ConfigError: ``ftkit run`` does not retry it."""
+
+
 class LaunchError(FtkitError):
     """``ftkit run`` could not launch or relaunch the job."""
 

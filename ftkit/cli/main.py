@@ -345,10 +345,10 @@ class _Layout:
 #: files are ftkit's atomic writes cut short.
 _TMP = r"\..+\.tmp(-\d+)?"
 _PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal",
-                      r"events\.jsonl|RUN|\.done-attempt-\d+|\.stop-request"
+                      r"events\.jsonl|RUN|LOCK|\.done-attempt-\d+(\.pending)?|\.stop-request"
                       rf"|slurm-slots\.(json|tmp)|{_TMP}")
 _LOCAL_LAYOUT = _Layout(r"node-\d+", "",
-                        _Layout(r"(parked-)?step-\d+", rf"\.probe-rank-\d+|{_TMP}"))
+                        _Layout(r"(parked-)?step-\d+", rf"LOCK|\.probe-rank-\d+|{_TMP}"))
 
 
 def _tree_size(root: Path) -> int:
@@ -400,6 +400,22 @@ def _unsafe_local(cfg: Config, found: list[Path]) -> list[Path]:
     return unsafe
 
 
+def _running(job: str, found: list[Path]) -> list[Path]:
+    """The directories in ``found`` whose job lock (``LOCK``, or ``node-*/LOCK`` below a
+    node-local job directory) is held now: the job is running; each refusal is printed."""
+    from ftkit.joblock import LOCK_FILE, describe, held_by
+    busy = []
+    for path in found:
+        for lock in [path / LOCK_FILE, *sorted(path.glob(f"node-*/{LOCK_FILE}"))]:
+            holder = held_by(lock)
+            if holder is not None:
+                print(f"ftkit clean: refused: job {job} is running: {describe(holder)} holds "
+                      f"{lock}; stop it first", file=sys.stderr)
+                busy.append(path)
+                break
+    return busy
+
+
 def _ignore_vanished(_func: Callable[..., object], _path: str, exc_info: Any) -> None:
     """rmtree error handler: another node's ``ftkit clean`` may remove the same PFS files."""
     if not isinstance(exc_info[1], FileNotFoundError):
@@ -423,6 +439,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         print(f"ftkit clean: refused: {path} is not a directory ftkit created (a file or a "
               "symbolic link); remove it yourself", file=sys.stderr)
     not_dirs += _unsafe_local(cfg, [p for p in found if p not in not_dirs])
+    not_dirs += _running(cfg.job, [p for p in found if p not in not_dirs])
     odd = {p: targets[p].odd(p) for p in found if p not in not_dirs}
     for path, names in odd.items():
         if names and not args.force:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -53,8 +52,11 @@ from typing import Any, Protocol, TextIO
 from ftkit.config import Config
 from ftkit.errors import LaunchError
 from ftkit.events import append_event
+from ftkit.joblock import LOCK_FILE, JobLock, holder_record
+from ftkit.launch import marker
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_line, read_fatal
 from ftkit.launch.mpiexec import MpiexecLauncher
+from ftkit.recovery.identity import LAUNCH_ID_ENV, new_run_id
 
 log = logging.getLogger(__name__)
 
@@ -402,12 +404,11 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     """
     interrupt = interrupt or _Interrupt()
     argv = launcher.command(spec.n, spec.cmd)
+    marker.prepare(done_file)
+    if fatal_dir is not None and not _empty_dir(fatal_dir):
+        fatal_dir = None
     env = attempt_env(launcher.environ(base_env), attempt, done_file, spec.ranks_per_node,
                       interrupt.stop_file, fatal_dir, spec.start(attempt))
-    done_file.parent.mkdir(parents=True, exist_ok=True)
-    done_file.unlink(missing_ok=True)
-    if fatal_dir is not None:
-        _empty_dir(fatal_dir)
     log.info("attempt %d: %s", attempt, " ".join(argv))
     start = time.monotonic()
     try:
@@ -422,6 +423,7 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
         interrupt.attach(None)
         signal_group(proc.pid, signal.SIGKILL)     # ranks the launcher left behind
     seconds = time.monotonic() - start
+    marker.cleanup(done_file)
     fatal = None
     if fatal_dir is not None:
         fatal = read_fatal(fatal_dir)
@@ -434,13 +436,18 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
                  stalled=spec.stall_timeout if watch.why == "stall" else None)
 
 
-def _empty_dir(path: Path) -> None:
-    """Make ``path`` an empty directory (a record of an earlier run is not this attempt's)."""
+def _empty_dir(path: Path) -> bool:
+    """Make ``path`` an empty directory (a record of an earlier run is not this attempt's).
+    False, with a warning, when the file system refuses (e.g. a full PFS): the attempt then
+    runs without ``FTKIT_FATAL_DIR`` and a recurring error is retried like any other."""
     shutil.rmtree(path, ignore_errors=True)
     try:
         path.mkdir(parents=True)
     except OSError as exc:
-        raise LaunchError(f"cannot create {FATAL_DIR_ENV} {path}: {exc}") from exc
+        log.warning("cannot create %s %s (%s): errors that would recur cannot be recorded "
+                    "in this attempt and are retried", FATAL_DIR_ENV, path, exc)
+        return False
+    return True
 
 
 def _event(cfg: Config, event: str, **fields: Any) -> None:
@@ -453,8 +460,23 @@ def _event(cfg: Config, event: str, **fields: Any) -> None:
 
 def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
             base_env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
-    """Run attempts 0..``spec.max_restarts`` until one succeeds; return the exit status."""
+    """Run attempts 0..``spec.max_restarts`` until one succeeds; return the exit status.
+    Holds the job's PFS lock (:mod:`ftkit.joblock`) throughout: JobLockedError, before
+    anything runs, when another instance of the job holds it."""
     base_env = dict(os.environ if base_env is None else base_env)
+    base_env[LAUNCH_ID_ENV] = new_run_id(cfg.job)      # one per ftkit run, all its attempts
+    lock = JobLock(cfg.job_pfs_dir / LOCK_FILE, cfg.job)
+    cfg.job_pfs_dir.mkdir(parents=True, exist_ok=True)
+    lock.acquire(holder_record("ftkit run", base_env), what="the job's PFS directory")
+    try:
+        return _run_attempts(spec, cfg, launcher, base_env, out)
+    finally:
+        lock.release()
+
+
+def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
+                  base_env: dict[str, str], out: TextIO | None) -> int:
+    """The body of :func:`run_job`, under the job lock."""
     out = sys.stdout if out is None else out
     recover = getattr(launcher, "after_failure", None)      # the Slurm launcher has it
     if spec.spares and recover is None:
@@ -480,9 +502,9 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    **_fatal_fields(result))
             print(attempt_line(result, spec.max_restarts), file=out, flush=True)
-            marker = _read_marker(done) if result.ok else {}
-            if marker.get("stopped"):
-                return _stopped(cfg, launcher, marker, out)
+            record = marker.read_marker(done) if result.ok else {}
+            if record.get("stopped"):
+                return _stopped(cfg, launcher, record, out)
             if result.ok or result.interrupted is not None or result.fatal is not None:
                 break
             if recover is not None and attempt < spec.max_restarts:
@@ -503,14 +525,6 @@ def _fatal_fields(result: AttemptResult) -> dict[str, Any]:
 def _placement(launcher: Launcher) -> dict[str, Any]:
     describe = getattr(launcher, "describe", None)
     return dict(describe()) if describe is not None else {}
-
-
-def _read_marker(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _recover(cfg: Config, launcher: Any, attempt: int, out: TextIO) -> int | None:

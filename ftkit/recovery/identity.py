@@ -10,6 +10,7 @@ same job sees; the node-local levels only record it.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from pathlib import Path
@@ -17,12 +18,27 @@ from pathlib import Path
 from ftkit.storage.local import write_record
 
 RUN_FILE = "RUN"
+LAUNCH_ID_ENV = "FTKIT_LAUNCH_ID"
+log = logging.getLogger(__name__)
 
 
-def run_id(job_dir: Path, job: str, *, fresh: bool = False) -> str:
+def new_run_id(job: str) -> str:
+    """A new run id: the job name, the time and 32 random bits."""
+    return f"{job}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
+
+
+def run_id(job_dir: Path, job: str, *, fresh: bool = False, candidate: str | None = None
+           ) -> str:
     """The run id of the job whose PFS directory is ``job_dir``: read from ``RUN``, or made
-    (and durably written) when there is none or ``fresh`` asks for a new run. Rank 0 only;
-    raises OSError when the directory is not usable and ValueError on a damaged record."""
+    (``candidate`` when given, see below) and durably written when there is none or
+    ``fresh`` asks for a new run. Rank 0 only; raises OSError when an existing record cannot
+    be read and ValueError on a damaged record.
+
+    ``candidate`` is ``$FTKIT_LAUNCH_ID``, which ``ftkit run`` makes once and passes to each
+    of its attempts. When the record cannot be written (a full or failing PFS), the new id is
+    used unrecorded with a warning: the attempts of one ``ftkit run`` still agree on it (so
+    its relaunches resume the node-local steps), and the next attempt that finds the PFS
+    writable records it."""
     path = job_dir / RUN_FILE
     if not fresh and path.is_file():
         record = json.loads(path.read_text())
@@ -30,7 +46,14 @@ def run_id(job_dir: Path, job: str, *, fresh: bool = False) -> str:
         if not isinstance(value, str) or not value:
             raise ValueError(f"{path}: no run id in {record!r}")
         return value
-    job_dir.mkdir(parents=True, exist_ok=True)
-    value = f"{job}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
-    write_record(path, {"run": value, "job": job, "created": time.time()})
+    value = candidate or new_run_id(job)
+    try:
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_record(path, {"run": value, "job": job, "created": time.time()})
+    except OSError as exc:
+        log.warning("cannot record the run identity in %s (%s): this run goes on as %s "
+                    "unrecorded%s", path, exc, value,
+                    "; relaunches by this ftkit run keep it" if candidate else
+                    "; a later launch of this job will not resume its node-local steps "
+                    "(launch with ftkit run to keep them)")
     return value

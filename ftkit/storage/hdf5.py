@@ -39,7 +39,8 @@ import numpy as np
 from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage import h5files
-from ftkit.storage.shard import Shard, checksum, fsync_dir, write_atomic
+from ftkit.storage.h5sink import write_new_file
+from ftkit.storage.shard import Shard, checksum, create_temp, fsync_dir, write_atomic
 
 FORMAT = "ftkit-hdf5-2"
 INDEX = "ftkit.h5"
@@ -378,29 +379,27 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any]) -> None:
     seal(grp)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomic(path: Path, fill: Callable[[Any], None]) -> dict[str, Any]:
-    """Create an HDF5 file at ``path`` atomically: ``fill`` writes into a temp file, whose
-    root is then sealed; fsync, file digest, rename, fsync of the directory. No temp file is
-    left on failure. Returns the file digest (for COMMITTED, :mod:`ftkit.storage.h5files`)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Create an HDF5 file at ``path`` atomically: ``fill`` writes into a new private temp
+    file (:func:`~ftkit.storage.shard.create_temp`), whose root is then sealed; fsync, file
+    digest, rename, fsync of the directory. Written through :mod:`ftkit.storage.h5sink`, so a
+    full or failing file system raises here, inside the caller's error handling, and nothing
+    of the temp file (which is removed) can fail later. Returns the file digest (for
+    COMMITTED, :mod:`ftkit.storage.h5files`)."""
+    def fill_sealed(h5: Any) -> None:
+        fill(h5)
+        seal(h5)
+    fd, tmp = create_temp(path)
     try:
-        with _h5py().File(tmp, "w") as h5:
-            fill(h5)
-            seal(h5)
-        _fsync_file(tmp)
+        try:
+            write_new_file(fd, fill_sealed, str(tmp))
+        finally:
+            os.close(fd)
         digest = h5files.file_digest(tmp)
+        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
     fsync_dir(path.parent)
     return digest
 

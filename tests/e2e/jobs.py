@@ -63,10 +63,11 @@ class Result:
 
 
 def tree_digests(root: Path) -> dict[str, str]:
-    """{relative path: sha256} of every file under ``root`` (empty when it does not exist):
+    """{relative path: sha256} of every file under ``root`` (empty when it does not exist)
+    but the job locks (``LOCK``: every holder describes itself there; not checkpoint data):
     compare two listings to show that nothing was deleted, added or changed."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "LOCK"}
 
 
 def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:

@@ -34,11 +34,13 @@ from .mpi_helpers import (
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (relative path -> sha256), as rank 0 sees it, on every rank."""
+    """Every file under ``root`` (relative path -> sha256) but the job locks (``LOCK``:
+    every holder describes itself there; not checkpoint data), as rank 0 sees it, on every
+    rank."""
     listing = None
     if RANK == 0:
         listing = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-                   for p in sorted(root.rglob("*")) if p.is_file()}
+                   for p in sorted(root.rglob("*")) if p.is_file() and p.name != "LOCK"}
     return WORLD.bcast(listing, root=0)
 
 

@@ -202,3 +202,31 @@ def test_refuses_a_local_job_directory_that_is_not_private(roots: tuple[Path, Pa
     assert f"refused: {local / 'j1'}" in err and "open to group/others" in err
     assert "mode 0777" in err and (local / "j1" / "node-0" / "step-4").is_dir()
     assert (pfs / "j1" / "step-5").is_dir()                # nothing removed at all
+
+
+@pytest.mark.parametrize("where", ["pfs", "local"])
+def test_running_job_is_refused(roots: tuple[Path, Path], where: str,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A job whose lock (PFS ``LOCK`` or a node's ``node-<id>/LOCK``) is held by a live
+    process is running: clean removes nothing and names the holder; once the holder is gone,
+    the lock files are ftkit's own and go with the rest."""
+    pfs, local = roots
+    make_job(pfs, local, "j")
+    lock = pfs / "j" / "LOCK" if where == "pfs" else local / "j" / "node-1" / "LOCK"
+    hold = ("import sys; from pathlib import Path; from ftkit.joblock import JobLock, "
+            "holder_record; l = JobLock(Path(sys.argv[1]), 'j'); "
+            "l.acquire(holder_record('ftkit run'), what='t'); print('locked', flush=True); "
+            "sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "locked"
+        assert main(["clean", "j"]) == 1
+        err = capsys.readouterr().err
+        assert f"job j is running: ftkit run pid {child.pid}" in err and str(lock) in err
+        assert (pfs / "j" / "step-5" / "COMMITTED").exists()
+        assert (local / "j" / "node-0" / "step-5" / "COMMITTED").exists()
+    finally:
+        child.communicate("", timeout=30)
+    assert main(["clean", "j"]) == 0
+    assert not (pfs / "j").exists() and not (local / "j").exists()

@@ -247,7 +247,8 @@ def test_index_is_fsynced_before_rename_and_commit_retracted_durably(
     assert ("fsync", str(tmp_path)) in log and ("fsync", str(tmp_path / "job")) in log
     log.clear()
     hdf5.write_index(step_dir, {"step": 4}, {0: "node-0.h5"})
-    tmp = str(step_dir / f".{hdf5.INDEX}.tmp")
+    tmp = log[0][1]
+    assert Path(tmp).parent == step_dir and Path(tmp).name.startswith(f".{hdf5.INDEX}.")
     assert log == [("fsync", tmp), ("replace", f"{tmp}->{step_dir / hdf5.INDEX}"),
                    ("fsync", str(step_dir))]
     hdf5.write_commit(step_dir, {"step": 4})
