@@ -74,7 +74,7 @@ def test_pfs_fills_up_mid_run_then_is_freed(tmp_path: Path,
     step that committed verifies."""
     with tmpfs(tmp_path / "pfs", "4m") as pfs:
         ballast = fill(pfs, leave=2 * STEP_BYTES + (64 << 10))
-        res = run_example(tmp_path, REPO / "tests" / "e2e" / "free_pfs_at.py", n=4,
+        res = run_example(tmp_path, REPO / "tests" / "e2e" / "toy_hooks.py", n=4,
                           args=("--steps", "16", "--seed", "1"), max_restarts=2,
                           timeout=280, env={"FTKIT_LEVELS": LEVELS, "FREE_AT": "9",
                                             "FREE_BALLAST": str(ballast)})

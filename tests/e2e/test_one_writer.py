@@ -23,24 +23,28 @@ from tests.e2e.jobs import FTKIT, TOY, job_env, run_toy
 LEVELS = "local:1,partner:1"
 
 
-def _start(tmp: Path, steps: int, seed: int = 1, **env: str) -> subprocess.Popen[str]:
+HOOKS = Path(__file__).resolve().parent / "toy_hooks.py"
+
+
+def _start(tmp: Path, steps: int, hold_at: int) -> tuple[subprocess.Popen[str], Path]:
+    """``ftkit run`` the toy (seed 1) so that it holds still before the save of ``hold_at``
+    until the returned file exists; returns once it holds (its locks taken, mid-run)."""
+    until = tmp / "release"
     cmd = [*FTKIT, "run", "-n", "4", "--ranks-per-node", "2", "--max-restarts", "0",
-           "--attempt-timeout", "300", "--", sys.executable, str(TOY), "--steps", str(steps),
-           "--seed", str(seed)]
-    return subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp, FTKIT_LEVELS=LEVELS, **env),
+           "--attempt-timeout", "300", "--", sys.executable, str(HOOKS), "--steps", str(steps),
+           "--seed", "1"]
+    proc = subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp, FTKIT_LEVELS=LEVELS,
+                                                      HOLD_AT=str(hold_at),
+                                                      HOLD_UNTIL=str(until)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def _wait_until_running(tmp: Path, first: subprocess.Popen[str]) -> None:
-    """Until both node leaders of the first run hold their node-local locks (its job has
-    started), checked every 50 ms for at most 120 s; fails if the first run ends first."""
-    locks = [tmp / "local" / "e2e" / f"node-{n}" / LOCK_FILE for n in (0, 1)]
+    held = until.with_name(until.name + ".held")
     deadline = time.monotonic() + 120
-    while not all(held_by(p) is not None for p in locks):
-        assert first.poll() is None, first.communicate()
-        assert time.monotonic() < deadline, "the first run never took its node-local locks"
+    while not held.exists():            # the job signals it; checked every 50 ms
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the first run never reached its hold"
         time.sleep(0.05)
+    return proc, until
 
 
 def _kill_session(proc: subprocess.Popen[str], tmp: Path) -> None:
@@ -61,10 +65,15 @@ def _kill_session(proc: subprocess.Popen[str], tmp: Path) -> None:
 @pytest.mark.timeout(600)
 def test_second_instance_of_a_running_job_is_refused(
         tmp_path: Path, reference_digest: Callable[..., str]) -> None:
-    first = _start(tmp_path, steps=40)
+    """The first run holds still before the save of step 12 (steps 1-11 committed): another
+    ``ftkit run`` of the job exits 2 before launching, naming the holder; a direct
+    ``mpiexec`` launch is refused by the node-local locks (JobLockedError on every rank).
+    Released, the first run ends bit-exact."""
+    first, release = _start(tmp_path, steps=20, hold_at=12)
     try:
-        _wait_until_running(tmp_path, first)
-        second = run_toy(tmp_path, steps=40, seed=2, max_restarts=2, FTKIT_LEVELS=LEVELS)
+        locks = [tmp_path / "local" / "e2e" / f"node-{n}" / LOCK_FILE for n in (0, 1)]
+        assert all(held_by(p) is not None for p in locks)
+        second = run_toy(tmp_path, steps=20, seed=2, max_restarts=2, FTKIT_LEVELS=LEVELS)
         assert second.rc == 2, second.tail()
         assert not second.attempt_lines(), second.tail()
         assert "job e2e is already running" in second.stderr, second.tail()
@@ -73,32 +82,33 @@ def test_second_instance_of_a_running_job_is_refused(
         mpiexec = Path(sys.executable).parent / "mpiexec"
         direct = subprocess.run(
             [str(mpiexec), "-n", "4", "--oversubscribe", "--bind-to", "none", sys.executable,
-             "-m", "mpi4py", str(TOY), "--steps", "40", "--seed", "2"], cwd=tmp_path,
+             "-m", "mpi4py", str(TOY), "--steps", "20", "--seed", "2"], cwd=tmp_path,
             env=job_env(tmp_path, FTKIT_LEVELS=LEVELS, FTKIT_RANKS_PER_NODE="2"),
             capture_output=True, text=True, timeout=300, check=False)
         assert direct.returncode != 0, direct.stdout[-2000:]
         assert "JobLockedError: rank 0: job e2e is already running: node leader of node 0" \
             in direct.stderr, direct.stderr[-4000:]
+        assert '"event": "start"' not in direct.stdout
+        release.touch()
         out, err = first.communicate(timeout=400)
     finally:
         if first.poll() is None:
             _kill_session(first, tmp_path)
     assert first.returncode == 0, (out[-3000:], err[-3000:])
     done = [ln for ln in out.splitlines() if ln.startswith('{"event": "done"')]
-    assert done and f'"digest": "{reference_digest(4, 40)}"' in done[-1], out[-2000:]
+    assert done and f'"digest": "{reference_digest(4, 20)}"' in done[-1], out[-2000:]
 
 
 @pytest.mark.timeout(600)
 def test_killed_holder_does_not_block_the_next_run(
         tmp_path: Path, reference_digest: Callable[..., str]) -> None:
-    """``ftkit run`` and its job are SIGKILLed mid-run, locks held: the next ``ftkit run`` of
-    the job starts at once, resumes a committed step and ends bit-exact."""
-    first = _start(tmp_path, steps=40)
-    try:
-        _wait_until_running(tmp_path, first)
-    finally:
-        _kill_session(first, tmp_path)
-    res = run_toy(tmp_path, steps=40, max_restarts=0, FTKIT_LEVELS=LEVELS)
+    """``ftkit run`` and its job are SIGKILLed while holding every lock (before the save of
+    step 12): the next ``ftkit run`` of the job starts at once, resumes step 11 and ends
+    bit-exact."""
+    first, _release = _start(tmp_path, steps=20, hold_at=12)
+    _kill_session(first, tmp_path)
+    res = run_toy(tmp_path, steps=20, max_restarts=0, FTKIT_LEVELS=LEVELS)
     assert res.rc == 0, res.tail()
-    assert "already running" not in res.stderr
-    assert res.done["digest"] == reference_digest(4, 40), res.tail()
+    assert "already running" not in res.stderr and "took over" not in res.stderr
+    assert res.starts[0]["step"] == 11, res.tail()
+    assert res.done["digest"] == reference_digest(4, 20), res.tail()
