@@ -20,6 +20,7 @@ from ftkit.errors import (
     NoCheckpointError,
     StateMismatchError,
     UnrecoverableError,
+    UnsupportedStateError,
 )
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "StateMismatchError",
     "Topology",
     "UnrecoverableError",
+    "UnsupportedStateError",
     "__version__",
 ]
 

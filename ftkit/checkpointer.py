@@ -27,6 +27,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ftkit import __version__
+from ftkit.capture import loaders
 from ftkit.capture.flatten import TensorLeaf, flatten
 from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
@@ -121,6 +122,7 @@ class Checkpointer:
         self._staging: Staging | None = None
         self._guard = OptimizerGuard(self.wait_staged)
         self._closed = False
+        self._admitted = False                   # the state was checked (_admit)
 
     # ------------------------------------------------------------- public API
     def restore(self, state: State) -> int:
@@ -136,10 +138,18 @@ class Checkpointer:
         and returns 0."""
         self.wait()
         try:
+            self._admit(state)
             return self._restore(state)
         except FtkitError as exc:
             record_fatal(exc, self.topo.rank)
             raise
+
+    def _admit(self, state: State) -> None:
+        """Once, before the first step: loaders get ftkit's generators, every leaf is
+        checked (``capture/loaders.py``; UnsupportedStateError everywhere). All ranks call."""
+        if not self._admitted:
+            loaders.admit(self.dc, state)
+            self._admitted = True
 
     def _restore(self, state: State) -> int:
         t0 = time.monotonic()
@@ -196,6 +206,12 @@ class Checkpointer:
         committed step stays); a change through ``.data`` or raw memory is not seen."""
         t0 = time.perf_counter()
         self._settle()
+        if not self._admitted:
+            try:
+                self._admit(state)
+            except FtkitError as exc:
+                record_fatal(exc, self.topo.rank)
+                raise
         if self.stop_requested:
             self._final_save(step, state)
         self.faults.fire("between", step)
@@ -313,7 +329,7 @@ class Checkpointer:
         snap = Snapshot(step, levels)
         try:
             self.faults.fire("capture", step)
-            tree, leaves = flatten(state)
+            tree, leaves = flatten(state, loaders.extra)
             snap.tree, snap.leaves = tree, leaves
             snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
                                                              step=step)

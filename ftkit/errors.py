@@ -107,6 +107,14 @@ class JobLockedError(ConfigError):
     holder (host, pid, role) and what to do. A ConfigError: ``ftkit run`` does not retry it."""
 
 
+class UnsupportedStateError(FtkitError):
+    """The state given to ``restore()`` (or the first ``save()``) holds a leaf ftkit cannot
+    checkpoint — a plain DataLoader, an object without ``state_dict`` — named with what to
+    use instead. Raised on every rank before the first step; ``ftkit run`` does not retry it."""
+
+    recurs = True
+
+
 class LaunchError(FtkitError):
     """``ftkit run`` could not launch or relaunch the job."""
 

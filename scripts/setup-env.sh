@@ -23,7 +23,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing ftkit[test] (mpi4py, Open MPI, pytest, ...)" >&2
 "${PIP[@]}" install -e ".[test]" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -c "import torch, mpi4py, numpy, xxhash, pytest, ftkit" \
+"$VENV/bin/python" -c "import torch, torchdata.stateful_dataloader, mpi4py, numpy, xxhash, pytest, ftkit" \
     || { echo "setup: the environment is incomplete" >&2; exit 1; }
 rm -f "$VENV"/.ftkit-setup-*
 touch "$stamp"

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture.flatten import _is_torch_tensor, flatten
+from ftkit.capture import loaders
+from ftkit.capture.flatten import RESERVED, _is_torch_tensor, flatten
 from ftkit.errors import StateMismatchError
 
 _MAX_LISTED = 5
@@ -77,6 +78,9 @@ def load_into(state: MutableMapping[str, Any], restored: dict[str, Any], step: i
 def _merge(live: Any, new: Any, path: str, step: int) -> Any:
     if hasattr(live, "load_state_dict") and hasattr(live, "state_dict"):
         try:
+            if isinstance(new, dict) and RESERVED in new:     # ftkit's part (loaders.py)
+                new = dict(new)
+                loaders.load_saved(live, new.pop(RESERVED))
             live.load_state_dict(new)
         except Exception as exc:
             raise StateMismatchError(step, {}, message=(

@@ -102,13 +102,21 @@ def torch_dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def flatten(state: Any) -> tuple[Skeleton, list[TensorLeaf]]:
-    """Flatten ``state``; returns the JSON skeleton and the tensor leaves in tree order."""
+Extra = Callable[[Any], "dict[str, Any] | None"]
+#: the key under which ``flatten``'s ``extra`` is stored in an object's state
+RESERVED = "__ftkit_loader__"
+
+
+def flatten(state: Any, extra: Extra | None = None) -> tuple[Skeleton, list[TensorLeaf]]:
+    """Flatten ``state``; returns the JSON skeleton and the tensor leaves in tree order.
+    ``extra(obj)``: what ftkit saves with an object beside its ``state_dict`` (stored under
+    the key ``ftkit.capture.loaders.RESERVED``; see that module), or None."""
     leaves: list[TensorLeaf] = []
-    return _flatten(state, "", leaves, 1), leaves
+    return _flatten(state, "", leaves, 1, extra), leaves
 
 
-def _flatten(x: Any, path: str, leaves: list[TensorLeaf], depth: int) -> Skeleton:
+def _flatten(x: Any, path: str, leaves: list[TensorLeaf], depth: int,
+             extra: Extra | None = None) -> Skeleton:
     if depth > MAX_DEPTH:
         raise UnsupportedLeaf(path, f"state nested deeper than {MAX_DEPTH} levels")
     if isinstance(x, (np.ndarray, np.generic)):   # before float: np.float64 is a float
@@ -124,14 +132,18 @@ def _flatten(x: Any, path: str, leaves: list[TensorLeaf], depth: int) -> Skeleto
         for key, val in x.items():
             if not (key is None or isinstance(key, (str, int, float, bool))):
                 raise UnsupportedLeaf(f"{path}/{key!r}", f"dict key of type {type(key).__name__}")
-            items.append([key, _flatten(val, _key_path(path, key), leaves, depth + 1)])
+            items.append([key, _flatten(val, _key_path(path, key), leaves, depth + 1, extra)])
         return {"t": "dict", "items": items}
     if isinstance(x, (list, tuple)):
         kind = "tuple" if isinstance(x, tuple) else "list"
-        return {"t": kind, "items": [_flatten(v, f"{path}/{i}", leaves, depth + 1)
+        return {"t": kind, "items": [_flatten(v, f"{path}/{i}", leaves, depth + 1, extra)
                                      for i, v in enumerate(x)]}
     if hasattr(x, "state_dict") and hasattr(x, "load_state_dict"):
-        return {"t": "obj", "v": _flatten(x.state_dict(), path, leaves, depth + 1)}
+        sd = x.state_dict()
+        more = extra(x) if extra is not None else None
+        if more is not None:
+            sd = {RESERVED: more, **sd}
+        return {"t": "obj", "v": _flatten(sd, path, leaves, depth + 1, extra)}
     raise UnsupportedLeaf(path, f"object of type {type(x).__module__}.{type(x).__qualname__}")
 
 

@@ -25,6 +25,7 @@ from ftkit.errors import ConfigError, LaunchError
 log = logging.getLogger(__name__)
 
 USAGE_STATUS = 2
+DEFAULT_RESTARTS = 3       # ftkit run is a fault-tolerance launcher: restarts are on
 _LOG_FORMAT = "ftkit: %(levelname)s %(name)s: %(message)s"
 
 
@@ -89,8 +90,9 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help="virtual nodes of K consecutive ranks (sets FTKIT_RANKS_PER_NODE)")
     run.add_argument("--spares", type=_non_negative_int, default=0, metavar="S",
                      help="spare nodes to bring in on failure (Slurm only; recorded)")
-    run.add_argument("--max-restarts", type=_non_negative_int, default=0, metavar="R",
-                     help="relaunch at most R times (default 0)")
+    run.add_argument("--max-restarts", type=_non_negative_int, default=DEFAULT_RESTARTS,
+                     metavar="R", help=f"relaunch at most R times (default {DEFAULT_RESTARTS}; "
+                                       "0: never)")
     run.add_argument("--launcher", choices=LAUNCHERS, default="auto",
                      help="auto: srun inside a Slurm allocation, mpiexec elsewhere")
     run.add_argument("--attempt-timeout", type=float, default=DEFAULT_ATTEMPT_TIMEOUT,
@@ -294,6 +296,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"))
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg)
+        print(f"ftkit run: job {cfg.job}: {args.n} ranks, up to {args.max_restarts} "
+              f"restart(s) (--max-restarts)", file=sys.stderr, flush=True)
         return run_job(spec, cfg, launcher)
     except (ConfigError, LaunchError) as exc:
         return _error("run", exc)

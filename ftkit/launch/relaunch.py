@@ -51,7 +51,7 @@ from typing import Any, Protocol, TextIO
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import append_event
+from ftkit.events import append_event, read_events
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_line, read_fatal
@@ -169,6 +169,7 @@ class AttemptResult:
     status: int
     interrupted: int | None = None       # signal number received by ftkit run, if any
     fatal: dict[str, Any] | None = None  # see ftkit.launch.fatal
+    resumed: int | None = None           # the step the attempt restored (events.jsonl)
 
 
 def done_file_path(cfg: Config, attempt: int) -> Path:
@@ -253,6 +254,8 @@ def attempt_line(result: AttemptResult, max_restarts: int) -> str:
     """The one stdout line printed for an attempt (pure)."""
     head = f"ftkit run: attempt {result.attempt}: "
     took = f"after {result.seconds:.1f} s"
+    if result.resumed:
+        took += f" (resumed at step {result.resumed})"
     if result.ok:
         return head + f"succeeded {took}"
     if result.interrupted is not None:
@@ -431,9 +434,26 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     if watch.why == "stall":
         log.warning("attempt %d: %s did not change for %g s: the job is taken as hung",
                     attempt, events, spec.stall_timeout)
-    return judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
-                 interrupt.signum, fatal,
-                 stalled=spec.stall_timeout if watch.why == "stall" else None)
+    result = judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
+                   interrupt.signum, fatal,
+                   stalled=spec.stall_timeout if watch.why == "stall" else None)
+    return dataclasses.replace(result, resumed=_resumed_step(events, attempt))
+
+
+def _resumed_step(events: Path | None, attempt: int) -> int | None:
+    """The step attempt ``attempt`` restored (its ``restore`` event after its ``launch``
+    event), or None."""
+    if events is None:
+        return None
+    step = None
+    for e in read_events(events):
+        if e.get("attempt") != attempt:
+            continue
+        if e.get("event") == "launch":
+            step = None                   # an earlier run's attempt of the same number
+        elif e.get("event") == "restore" and isinstance(e.get("step"), int):
+            step = e["step"]
+    return step
 
 
 def _empty_dir(path: Path) -> bool:
@@ -466,8 +486,12 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
     base_env = dict(os.environ if base_env is None else base_env)
     base_env[LAUNCH_ID_ENV] = new_run_id(cfg.job)      # one per ftkit run, all its attempts
     lock = JobLock(cfg.job_pfs_dir / LOCK_FILE, cfg.job)
-    cfg.job_pfs_dir.mkdir(parents=True, exist_ok=True)
-    lock.acquire(holder_record("ftkit run", base_env), what="the job's PFS directory")
+    try:
+        cfg.job_pfs_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire(holder_record("ftkit run", base_env), what="the job's PFS directory")
+    except OSError as exc:          # a failing PFS: the node-local locks still guard the job
+        log.warning("cannot lock %s (%s): a second instance of job %s is refused only by "
+                    "the node-local locks", lock.path, exc, cfg.job)
     try:
         return _run_attempts(spec, cfg, launcher, base_env, out)
     finally:

@@ -5,6 +5,7 @@ The loop tests use ``tests/unit/fakes/fake_mpiexec.py``, which acts out a plan p
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -246,6 +247,23 @@ def test_attempt_lines_match_the_contract() -> None:
     assert attempt_line(timeout, 3) == ("ftkit run: attempt 3: failed (timeout after 600 s); "
                                         "no restarts left")
     assert (ok.status, failed.status, timeout.status) == (0, 137, 124)
+    resumed = dataclasses.replace(ok, resumed=49)
+    assert attempt_line(resumed, 3) == ("ftkit run: attempt 1: succeeded after 20.1 s "
+                                        "(resumed at step 49)")
+
+
+def test_resumed_step_is_this_runs_attempts(tmp_path: Path) -> None:
+    """The step an attempt restored comes from its own ``restore`` event: one after the
+    ``launch`` event of that attempt (an earlier run of the job had attempts too)."""
+    from ftkit.events import append_event
+    from ftkit.launch.relaunch import _resumed_step
+    log = tmp_path / "events.jsonl"
+    for event, attempt, step in (("launch", 0, None), ("restore", 0, 7), ("launch", 0, None),
+                                 ("restore", 0, 0), ("launch", 1, None), ("restore", 1, 12),
+                                 ("launch", 2, None)):
+        append_event(log, event, attempt=attempt, **({} if step is None else {"step": step}))
+    assert [_resumed_step(log, a) for a in (0, 1, 2)] == [0, 12, None]
+    assert _resumed_step(tmp_path / "missing.jsonl", 0) is None
 
 
 def test_judge_distrusts_exit_zero_and_maps_signals() -> None:
@@ -339,7 +357,7 @@ def test_restarts_exhausted_returns_last_rc(job: Path, fake: str, tmp_path: Path
 @pytest.mark.timeout(60)
 def test_launcher_killed_by_signal(job: Path, fake: str, monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture) -> None:
-    rc = run_fake(fake, "selfkill", monkeypatch=monkeypatch)
+    rc = run_fake(fake, "selfkill", "--max-restarts", "0", monkeypatch=monkeypatch)
     assert rc == 137
     assert "failed (launcher killed by SIGKILL)" in capsys.readouterr().out
 
@@ -366,7 +384,7 @@ def test_timeout_kills_and_relaunches(job: Path, fake: str, tmp_path: Path,
 @pytest.mark.timeout(60)
 def test_timeout_exhausted_exits_124(job: Path, fake: str, monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture) -> None:
-    rc = run_fake(fake, "hang", "--attempt-timeout", "0.5", monkeypatch=monkeypatch)
+    rc = run_fake(fake, "hang", "--attempt-timeout", "0.5", "--max-restarts", "0", monkeypatch=monkeypatch)
     assert rc == 124
     assert attempt_lines(capsys.readouterr().out) == [
         "ftkit run: attempt 0: failed (timeout after 0.5 s); no restarts left"]
@@ -397,7 +415,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.timeout(60)
 def test_processes_left_behind_are_killed(job: Path, fake: str, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    rc = run_fake(fake, "straggler", monkeypatch=monkeypatch)
+    rc = run_fake(fake, "straggler", "--max-restarts", "0", monkeypatch=monkeypatch)
     assert rc == 1
     pid = next(r["straggler"] for r in fake_log(tmp_path) if "straggler" in r)
     deadline = time.monotonic() + 10
@@ -673,7 +691,7 @@ comm.Barrier()
 @pytest.mark.timeout(120)
 def test_smoke_uncaught_exception_aborts_instead_of_hanging(job: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ftkit.cli.main", "run", "-n", "2", "--attempt-timeout", "60",
+        [sys.executable, "-m", "ftkit.cli.main", "run", "-n", "2", "--max-restarts", "0", "--attempt-timeout", "60",
          "--", "python", "-c", _RAISE_SCRIPT],
         env=_real_env(job), capture_output=True, text=True, timeout=110, check=False)
     assert proc.returncode not in (0, 124), proc.stdout + proc.stderr
