@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -58,6 +60,8 @@ def main() -> None:
         torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(args.seed * 1000 + comm.rank)        # per-rank dropout
+    random.seed(args.seed * 1000 + comm.rank)              # what else a loop may draw from
+    np.random.seed(args.seed * 1000 + comm.rank)
 
     ckpt = ftkit.Checkpointer(ftkit.Topology.create(comm))
     state = {"model": model, "optim": opt, "rng": ftkit.RNGState(), "data": loader}
