@@ -61,3 +61,18 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
         except json.JSONDecodeError:
             continue
+
+
+def restored_step(path: Path, attempt: int) -> int | None:
+    """The step attempt ``attempt`` of the newest ``ftkit run`` restored: its ``restore``
+    event after its ``launch`` event (an earlier run of the job had attempts of the same
+    number), or None."""
+    step = None
+    for e in read_events(path):
+        if e.get("attempt") != attempt:
+            continue
+        if e.get("event") == "launch":
+            step = None
+        elif e.get("event") == "restore" and isinstance(e.get("step"), int):
+            step = e["step"]
+    return step

@@ -51,7 +51,7 @@ from typing import Any, Protocol, TextIO
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import append_event, read_events
+from ftkit.events import append_event, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_line, read_fatal
@@ -437,23 +437,8 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     result = judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
                    interrupt.signum, fatal,
                    stalled=spec.stall_timeout if watch.why == "stall" else None)
-    return dataclasses.replace(result, resumed=_resumed_step(events, attempt))
-
-
-def _resumed_step(events: Path | None, attempt: int) -> int | None:
-    """The step attempt ``attempt`` restored (its ``restore`` event after its ``launch``
-    event), or None."""
-    if events is None:
-        return None
-    step = None
-    for e in read_events(events):
-        if e.get("attempt") != attempt:
-            continue
-        if e.get("event") == "launch":
-            step = None                   # an earlier run's attempt of the same number
-        elif e.get("event") == "restore" and isinstance(e.get("step"), int):
-            step = e["step"]
-    return step
+    return dataclasses.replace(result, resumed=None if events is None
+                               else restored_step(events, attempt))
 
 
 def _empty_dir(path: Path) -> bool:

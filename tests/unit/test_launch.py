@@ -255,15 +255,14 @@ def test_attempt_lines_match_the_contract() -> None:
 def test_resumed_step_is_this_runs_attempts(tmp_path: Path) -> None:
     """The step an attempt restored comes from its own ``restore`` event: one after the
     ``launch`` event of that attempt (an earlier run of the job had attempts too)."""
-    from ftkit.events import append_event
-    from ftkit.launch.relaunch import _resumed_step
+    from ftkit.events import append_event, restored_step
     log = tmp_path / "events.jsonl"
     for event, attempt, step in (("launch", 0, None), ("restore", 0, 7), ("launch", 0, None),
                                  ("restore", 0, 0), ("launch", 1, None), ("restore", 1, 12),
                                  ("launch", 2, None)):
         append_event(log, event, attempt=attempt, **({} if step is None else {"step": step}))
-    assert [_resumed_step(log, a) for a in (0, 1, 2)] == [0, 12, None]
-    assert _resumed_step(tmp_path / "missing.jsonl", 0) is None
+    assert [restored_step(log, a) for a in (0, 1, 2)] == [0, 12, None]
+    assert restored_step(tmp_path / "missing.jsonl", 0) is None
 
 
 def test_judge_distrusts_exit_zero_and_maps_signals() -> None:
