@@ -206,12 +206,11 @@ class Checkpointer:
         committed step stays); a change through ``.data`` or raw memory is not seen."""
         t0 = time.perf_counter()
         self._settle()
-        if not self._admitted:
-            try:
-                self._admit(state)
-            except FtkitError as exc:
-                record_fatal(exc, self.topo.rank)
-                raise
+        try:
+            self._admit(state)               # once: does nothing after the first call
+        except FtkitError as exc:
+            record_fatal(exc, self.topo.rank)
+            raise
         if self.stop_requested:
             self._final_save(step, state)
         self.faults.fire("between", step)

@@ -33,9 +33,15 @@ def _pfs_committed(pfs: Path) -> list[int]:
     return sorted(int(p.parent.name[5:]) for p in (pfs / "e2e").glob("step-*/COMMITTED"))
 
 
-def _no_abort(res: Result) -> None:
+def _one_bit_exact_attempt(res: Result, digest: str) -> None:
+    """The job succeeded in its first attempt (no restart spent), nothing aborted or raised
+    an ftkit error, and it ended with the failure-free run's ``digest``."""
+    assert res.rc == 0, res.tail()
+    lines = res.attempt_lines()
+    assert len(lines) == 1 and "succeeded" in lines[0], (lines, res.tail())
     assert "uncaught exception" not in res.stderr and "MPI_ABORT" not in res.stderr, res.tail()
     assert not [ln for ln in res.stderr.splitlines() if ln.startswith("ftkit.errors.")]
+    assert res.done["digest"] == digest, res.tail()
 
 
 @pytest.mark.timeout(300)
@@ -50,11 +56,7 @@ def test_full_pfs_from_the_start(tmp_path: Path,
         fill(pfs)
         assert free_bytes(pfs) == 0
         res = run_toy(tmp_path, steps=8, max_restarts=2, FTKIT_LEVELS=LEVELS)
-        assert res.rc == 0, res.tail()
-        lines = res.attempt_lines()
-        assert len(lines) == 1 and "succeeded" in lines[0], (lines, res.tail())
-        _no_abort(res)
-        assert res.done["digest"] == reference_digest(4, 8), res.tail()
+        _one_bit_exact_attempt(res, reference_digest(4, 8))
         failed = _failed_flushes(res)
         assert sorted(failed) == [2, 4, 6, 8], res.tail()
         assert all("No space left on device" in why for why in failed.values()), failed
@@ -78,11 +80,7 @@ def test_pfs_fills_up_mid_run_then_is_freed(tmp_path: Path,
                           args=("--steps", "16", "--seed", "1"), max_restarts=2,
                           timeout=280, env={"FTKIT_LEVELS": LEVELS, "FREE_AT": "9",
                                             "FREE_BALLAST": str(ballast)})
-        assert res.rc == 0, res.tail()
-        lines = res.attempt_lines()
-        assert len(lines) == 1 and "succeeded" in lines[0], (lines, res.tail())
-        _no_abort(res)
-        assert res.done["digest"] == reference_digest(4, 16), res.tail()
+        _one_bit_exact_attempt(res, reference_digest(4, 16))
         failed = _failed_flushes(res)
         committed = _pfs_committed(pfs)
         assert committed[:2] == [2, 4] and 6 in failed, (committed, failed, res.tail())
