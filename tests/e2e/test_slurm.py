@@ -205,7 +205,10 @@ def test_two_failures_one_spare_requeue(tmp_path: Path, healthy: None,
                    and e["attempt"] == 0)            # first launch of the requeued job
     committed = max(e["step"] for e in events[:requeued] if e["event"] == "commit")
     starts = job.records("start")
-    assert starts[-1]["step"] == committed, (committed, starts)
+    # The COMMITTED records are written before the coordinator logs its "commit" event, so a
+    # node killed in between leaves the next step committed without its event: the requeued
+    # job resumes there, one checkpoint past the last logged commit (every step here).
+    assert starts[-1]["step"] in (committed, committed + 1), (committed, starts)
     assert job.records("done")[-1]["digest"] == reference(60), job.text()
 
 
