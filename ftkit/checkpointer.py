@@ -43,7 +43,7 @@ from ftkit.errors import (
 )
 from ftkit.events import append_event, mark_progress
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
-from ftkit.launch.fatal import record_fatal
+from ftkit.launch.fatal import record_death, record_fatal
 from ftkit.launch.marker import write_done
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import ProtocolMismatch, Snapshot, TwoPhase, raise_if_failed
@@ -568,6 +568,7 @@ class Checkpointer:
         """A peer is dead or hung: no consensus is possible without it. Abort the world."""
         log.critical("rank %d: %s; aborting the MPI job", self.topo.rank, why)
         self._emit("timeout", any_rank=True, reason=why)
+        record_death(self.topo.rank, aborted=why)
         _flush_logs()
         MPI.COMM_WORLD.Abort(3)
 

@@ -64,12 +64,8 @@ def _positive_float(text: str) -> float:
 
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit run -n N [...] -- CMD [ARGS...]``."""
-    from ftkit.launch.relaunch import (
-        DEFAULT_ATTEMPT_TIMEOUT,
-        DEFAULT_STALL_TIMEOUT,
-        LAUNCHERS,
-        NOT_RETRIED_STATUS,
-    )
+    from ftkit.launch.outcome import NOT_RETRIED_STATUS
+    from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_STALL_TIMEOUT, LAUNCHERS
     run = sub.add_parser(
         "run", help="launch CMD on N ranks and relaunch it on failure",
         description="Launch CMD on N ranks (mpiexec locally); on failure relaunch it with "

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from mpi4py import MPI
 
 from ftkit.errors import CheckpointError, ProtocolTimeout
+from ftkit.launch.fatal import record_death
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -276,6 +277,7 @@ def install_abort_hooks() -> None:
                          f"{MPI.COMM_WORLD.Get_rank()}; aborting the MPI job\n")
         traceback.print_exception(exc_type, exc, tb)
         sys.stderr.flush()
+        record_death(MPI.COMM_WORLD.Get_rank(), exc)     # for ftkit run's attempt line
         MPI.COMM_WORLD.Abort(1)
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:

@@ -16,6 +16,11 @@ written atomically (temporary file, rename); the first record of a rank in an at
 Recording never raises: a record that cannot be written is only a warning, and the attempt is
 then judged (and relaunched) as before.
 
+A rank that takes the job down for any other reason records it the same way
+(:func:`record_death`, with ``"recurs": false``): the abort hooks on an uncaught exception, the
+Checkpointer when it gives up on a dead or hung peer. ``ftkit run`` names those ranks and
+reasons in its attempt line (:mod:`ftkit.launch.failures`) and relaunches as usual.
+
 This module imports neither mpi4py nor torch.
 """
 from __future__ import annotations
@@ -39,6 +44,7 @@ MAX_MESSAGE = 2000
 #: Where launchers put the global rank of a process, in order of trust.
 RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 _RECORD = re.compile(r"^rank-(\d+)\.json$")
+ABORTED = "aborted"         # the kind of a record of a rank that gave up on its peers
 
 
 def recurs(exc: BaseException) -> bool:
@@ -64,8 +70,26 @@ def record_fatal(exc: BaseException, rank: int, *, env: Mapping[str, str] | None
     ``FTKIT_FATAL_DIR`` is unset (in ``env``, default ``os.environ``) or when this rank
     already has a record. Never raises.
     """
-    if not recurs(exc):
-        return
+    if recurs(exc):
+        _write(rank, type(exc).__name__, str(exc), True, env)
+
+
+def record_death(rank: int, exc: BaseException | None = None, *, aborted: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+    """Record why this rank is about to take the job down (local call, never raises).
+
+    ``exc``: the uncaught exception (the abort hooks); ``aborted``: why the rank gave up on
+    its peers (a peer dead or hung). ``ftkit run`` names the rank and this reason in its
+    attempt line; the record makes the attempt final only when ``exc`` would recur.
+    """
+    if exc is not None:
+        _write(rank, type(exc).__name__, str(exc), recurs(exc), env)
+    elif aborted is not None:
+        _write(rank, ABORTED, aborted, False, env)
+
+
+def _write(rank: int, kind: str, message: str, recurring: bool,
+           env: Mapping[str, str] | None) -> None:
     env = os.environ if env is None else env
     directory = env.get(FATAL_DIR_ENV)
     if not directory:
@@ -74,39 +98,51 @@ def record_fatal(exc: BaseException, rank: int, *, env: Mapping[str, str] | None
     try:
         if path.exists():
             return
-        message = str(exc)
         if len(message) > MAX_MESSAGE:
             message = message[:MAX_MESSAGE] + " [...]"
-        record = {"kind": type(exc).__name__, "message": message, "rank": rank,
-                  "host": socket.gethostname(), "time": round(time.time(), 3)}
+        record = {"kind": kind, "message": message, "rank": rank, "recurs": recurring,
+                  "host": socket.gethostname(), "time": round(time.time(), 6)}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, path)
     except Exception as err:  # noqa: BLE001 - the error being reported matters more
-        log.warning("rank %d: cannot write the fatal record %s (%s: %s); ftkit run may "
-                    "relaunch a job that will fail the same way", rank, path,
-                    type(err).__name__, err)
+        log.warning("rank %d: cannot write the record %s (%s: %s); ftkit run may not say "
+                    "why the attempt failed, and may relaunch a job that will fail the same "
+                    "way", rank, path, type(err).__name__, err)
 
 
-def read_fatal(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The record of the lowest rank in ``directory``, or None (no directory, no record).
+def read_records(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's record in ``directory``, oldest first ([] without a directory).
 
-    Unreadable or malformed files are skipped.
+    Unreadable or malformed files are skipped; a record without ``recurs`` (an older
+    writer's) is a recurring one.
     """
     try:
         names = os.listdir(directory)
     except OSError:
-        return None
-    ranks = sorted(int(m.group(1)) for name in names if (m := _RECORD.match(name)))
-    for rank in ranks:
+        return []
+    records = []
+    for rank in sorted(int(m.group(1)) for name in names if (m := _RECORD.match(name))):
         try:
             record = json.loads((Path(directory) / f"rank-{rank}.json").read_text())
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and {"kind", "message"} <= record.keys():
             record.setdefault("rank", rank)
-            return record
-    return None
+            record.setdefault("recurs", True)
+            records.append(record)
+    return sorted(records, key=lambda r: (_number(r.get("time")), _number(r.get("rank"))))
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def read_fatal(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The recurring record of the lowest rank in ``directory``, or None (no directory, no
+    such record)."""
+    recurring = [r for r in read_records(directory) if r["recurs"]]
+    return min(recurring, key=lambda r: _number(r.get("rank")), default=None)
 
 
 def first_line(record: Mapping[str, Any]) -> str:

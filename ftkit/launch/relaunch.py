@@ -54,8 +54,14 @@ from ftkit.errors import LaunchError
 from ftkit.events import append_event, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
-from ftkit.launch.fatal import FATAL_DIR_ENV, first_line, read_fatal
+from ftkit.launch.failures import StderrTee, explain, signame
+from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records
 from ftkit.launch.mpiexec import MpiexecLauncher
+from ftkit.launch.outcome import (
+    AttemptResult,
+    attempt_line,
+    judge,
+)
 from ftkit.recovery.identity import LAUNCH_ID_ENV, new_run_id
 
 log = logging.getLogger(__name__)
@@ -64,10 +70,9 @@ LAUNCHERS = ("auto", "mpiexec", "srun")
 DEFAULT_ATTEMPT_TIMEOUT = 0.0      # no wall-clock limit per attempt (0: none)
 DEFAULT_STALL_TIMEOUT = 3600.0     # an attempt without a checkpoint event this long is hung
 DEFAULT_KILL_GRACE = 5.0
-TIMEOUT_STATUS = 124
 REQUEUE_FAILED_STATUS = 75          # EX_TEMPFAIL: resubmit to continue
-NOT_RETRIED_STATUS = 3              # a rank raised an error that a relaunch would hit again
-NO_MARKER_REASON = "exited 0 but the job did not reach Checkpointer.close() on every rank"
+_TEE_WAIT_S = 5.0     # for the launcher's last words once it exited (a process outside its
+#                       group may hold the pipe: then what came so far is what is known)
 _POLL_S = 0.25        # how often a waiting loop re-checks deadlines (not a synchronisation)
 
 
@@ -151,27 +156,6 @@ def _seconds_ok(value: float, option: str, zero: str) -> tuple[bool, str]:
             f"{option} must be a finite number of seconds >= 0 (0: {zero}), got {value}")
 
 
-@dataclasses.dataclass(frozen=True)
-class AttemptResult:
-    """Outcome of one attempt.
-
-    ``rc`` is the launcher's exit code (128+N when killed by signal N, ``None`` when the
-    watchdog ended it: a stall or a timeout);
-    ``status`` is what ``ftkit run`` exits with if this is the last attempt; ``fatal`` is the
-    record of an error that would recur (the attempt is then not retried).
-    """
-
-    attempt: int
-    rc: int | None
-    ok: bool
-    seconds: float
-    reason: str
-    status: int
-    interrupted: int | None = None       # signal number received by ftkit run, if any
-    fatal: dict[str, Any] | None = None  # see ftkit.launch.fatal
-    resumed: int | None = None           # the step the attempt restored (events.jsonl)
-
-
 def done_file_path(cfg: Config, attempt: int) -> Path:
     """Absolute path of attempt ``attempt``'s completion marker."""
     return Path(os.path.abspath(cfg.job_pfs_dir / f".done-attempt-{attempt}"))
@@ -203,70 +187,6 @@ def attempt_env(base: Mapping[str, str], attempt: int, done_file: Path,
     if ranks_per_node is not None:
         env["FTKIT_RANKS_PER_NODE"] = str(ranks_per_node)
     return env
-
-
-def signame(signum: int) -> str:
-    """``SIGKILL`` for 9; ``signal 42`` for numbers without a name."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def stall_reason(seconds: float) -> str:
-    """Why an attempt without progress for ``seconds`` was ended (pure)."""
-    return f"no progress for {seconds:g} s (no checkpoint event)"
-
-
-def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
-          interrupted: int | None = None, fatal: Mapping[str, Any] | None = None, *,
-          stalled: float | None = None) -> AttemptResult:
-    """Turn what was observed into an :class:`AttemptResult` (pure).
-
-    ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
-    when the watchdog ended the attempt: after ``stalled`` seconds without progress when that
-    is given, else at the ``timeout``. ``fatal`` (a rank's record of an error that would
-    recur) makes a failed attempt final, unless ``ftkit run`` was interrupted.
-    """
-    rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
-    if returncode is None:
-        reason = stall_reason(stalled) if stalled is not None else f"timeout after {timeout:g} s"
-        status, ok = TIMEOUT_STATUS, False
-    elif returncode < 0:
-        reason, status, ok = f"launcher killed by {signame(-returncode)}", 128 - returncode, False
-    elif rc == 0 and marker:
-        reason, status, ok = "succeeded", 0, True
-    elif rc == 0:
-        reason, status, ok = NO_MARKER_REASON, 1, False
-    else:
-        reason, status, ok = f"exit {returncode}", returncode, False
-    if interrupted is not None and not ok:
-        reason, status = f"interrupted by {signame(interrupted)}", 128 + interrupted
-    elif fatal is not None and not ok:
-        reason = f"not retried: {first_line(fatal)} (rank {fatal.get('rank', '?')})"
-        status = NOT_RETRIED_STATUS
-        return AttemptResult(attempt, rc, ok, round(seconds, 3), reason, status, None,
-                             dict(fatal))
-    return AttemptResult(attempt, rc, ok, round(seconds, 3), reason, status, interrupted)
-
-
-def attempt_line(result: AttemptResult, max_restarts: int) -> str:
-    """The one stdout line printed for an attempt (pure)."""
-    head = f"ftkit run: attempt {result.attempt}: "
-    took = f"after {result.seconds:.1f} s"
-    if result.resumed:
-        took += f" (resumed at step {result.resumed})"
-    if result.ok:
-        return head + f"succeeded {took}"
-    if result.interrupted is not None:
-        return head + f"{result.reason} {took}; not relaunching"
-    if result.fatal is not None:
-        return head + f"failed: {result.reason} {took}"
-    what = f"failed ({result.reason})" + ("" if result.rc is None else f" {took}")
-    if result.attempt < max_restarts:
-        restart = result.attempt + 1
-        return head + f"{what}; relaunching (restart {restart} of {max_restarts})"
-    return head + f"{what}; no restarts left"
 
 
 class _Interrupt:
@@ -415,9 +335,13 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     log.info("attempt %d: %s", attempt, " ".join(argv))
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                stderr=subprocess.PIPE)
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
+    assert proc.stderr is not None
+    tee = StderrTee(proc.stderr)
+    tee.start()
     watch = AttemptWatch(start, spec.attempt_timeout, spec.stall_timeout, events)
     try:
         interrupt.attach(proc.pid)
@@ -427,15 +351,16 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
         signal_group(proc.pid, signal.SIGKILL)     # ranks the launcher left behind
     seconds = time.monotonic() - start
     marker.cleanup(done_file)
-    fatal = None
+    fatal, records = None, []
     if fatal_dir is not None:
-        fatal = read_fatal(fatal_dir)
+        fatal, records = read_fatal(fatal_dir), read_records(fatal_dir)
         shutil.rmtree(fatal_dir, ignore_errors=True)
+    failed = explain(tee.found(wait=_TEE_WAIT_S), records)
     if watch.why == "stall":
         log.warning("attempt %d: %s did not change for %g s: the job is taken as hung",
                     attempt, events, spec.stall_timeout)
     result = judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
-                   interrupt.signum, fatal,
+                   interrupt.signum, fatal, failed=failed,
                    stalled=spec.stall_timeout if watch.why == "stall" else None)
     return dataclasses.replace(result, resumed=None if events is None
                                else restored_step(events, attempt))
@@ -509,6 +434,7 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                                  fatal_dir_path(cfg, attempt), cfg.events_path)
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
                    seconds=result.seconds, reason=result.reason, status=result.status,
+                   failed={str(r): how for r, how in result.failed.items()},
                    **_fatal_fields(result))
             print(attempt_line(result, spec.max_restarts), file=out, flush=True)
             record = marker.read_marker(done) if result.ok else {}

@@ -71,6 +71,8 @@ def test_fault_then_bitexact_resume(kind: str, phase: str, rank: int, tmp_path: 
     lines = res.attempt_lines()
     assert len(lines) == 2 and "attempt 0" in lines[0] and "failed" in lines[0], lines
     assert "attempt 1" in lines[1] and "succeeded" in lines[1], lines
+    if kind == "kill":                       # the launcher's report, named in the line
+        assert f"(exit 137: rank {rank} killed by SIGKILL on node " in lines[0], lines
     _assert_resumed(res, expected_resume(phase, rank), spec)
     assert res.done["digest"] == reference_digest(4, 8), res.tail()
     events = [e["event"] for e in res.events()]

@@ -86,9 +86,12 @@ def test_user_loop_killed_mid_epoch_resumes_bit_exact(tmp_path: Path, workers: i
     assert killed is not None and proc.returncode == 0, (out[-3000:], err[-3000:])
     attempts = [ln for ln in out.splitlines() if ln.startswith("ftkit run: attempt")]
     assert len(attempts) == 2 and "failed" in attempts[0], attempts
+    assert "failed (exit 137: rank 1 killed by SIGKILL on node " in attempts[0], attempts
     starts = [json.loads(ln)["step"] for ln in out.splitlines()
               if ln.startswith('{"event": "start"')]
     assert starts[0] == 0 and 16 < starts[1] <= KILL_AT, starts    # resumed mid-epoch 2
+    assert "succeeded after" in attempts[1], attempts
+    assert f"(resumed at step {starts[1]})" in attempts[1], attempts
     got = _digests(out)
     for part in ("model", "optim", "rng", "data"):
         assert got[part] == want[part], (part, got, want)

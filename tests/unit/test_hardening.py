@@ -28,7 +28,7 @@ from ftkit.cli.main import build_parser, main
 from ftkit.config import Config
 from ftkit.errors import ConfigError, LaunchError
 from ftkit.events import append_event, read_events
-from ftkit.launch import relaunch
+from ftkit.launch import outcome, relaunch
 from ftkit.launch.relaunch import RunSpec, run_job
 from ftkit.slurm.env import expand_hostlist
 from ftkit.slurm.sbatch import SbatchSpec, render_sbatch
@@ -233,9 +233,9 @@ def test_watch_wall_clock_and_off(tmp_path: Path) -> None:
 
 
 def test_stall_reason_in_the_attempt_line() -> None:
-    res = relaunch.judge(0, None, False, 2.4, 0.0, stalled=2.0)
+    res = outcome.judge(0, None, False, 2.4, 0.0, stalled=2.0)
     assert (res.status, res.reason) == (124, "no progress for 2 s (no checkpoint event)")
-    assert relaunch.attempt_line(res, 1) == (
+    assert outcome.attempt_line(res, 1) == (
         "ftkit run: attempt 0: failed (no progress for 2 s (no checkpoint event)); "
         "relaunching (restart 1 of 1)")
 

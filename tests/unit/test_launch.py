@@ -35,16 +35,8 @@ from ftkit.launch.mpiexec import (
     query_flavor,
     rewrite_python,
 )
-from ftkit.launch.relaunch import (
-    NO_MARKER_REASON,
-    NOT_RETRIED_STATUS,
-    RunSpec,
-    attempt_line,
-    done_file_path,
-    judge,
-    resolve_launcher,
-    run_job,
-)
+from ftkit.launch.outcome import NO_MARKER_REASON, NOT_RETRIED_STATUS, attempt_line, judge
+from ftkit.launch.relaunch import RunSpec, done_file_path, resolve_launcher, run_job
 
 FAKE = Path(__file__).parent / "fakes" / "fake_mpiexec.py"
 REPO = Path(__file__).resolve().parents[2]

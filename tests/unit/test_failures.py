@@ -1,0 +1,176 @@
+"""ftkit.launch.failures: which ranks took an attempt down, and how.
+
+The launcher texts are what Open MPI 5's ``prterun`` and Slurm's ``srun`` print (the Open MPI
+ones captured from real runs on this machine: a rank SIGKILLed, one calling ``MPI_Abort(5)``,
+one exiting with status 3, one segfaulting); the tee runs a real pipe; the records are written
+by :func:`ftkit.launch.fatal.record_death` as the abort hooks and the Checkpointer write them.
+"""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftkit.errors import ConfigError
+from ftkit.launch.failures import LauncherScan, StderrTee, explain, scan, summary
+from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records, record_death
+from ftkit.launch.outcome import attempt_line, judge
+
+OMPI_KILLED = """\
+--------------------------------------------------------------------------
+prterun noticed that process rank 1 with PID 15921 on node vm exited on
+signal 9 (Killed).
+--------------------------------------------------------------------------
+"""
+OMPI_ABORT = """\
+--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 1 in communicator MPI_COMM_WORLD
+  Proc: [[18037,1],1]
+  Errorcode: 5
+
+NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.
+--------------------------------------------------------------------------
+"""
+OMPI_EXIT = """\
+--------------------------------------------------------------------------
+prterun detected that one or more processes exited with non-zero status,
+thus causing the job to be terminated. The first process to do so was:
+
+   Process name: [prterun-vm-16106@1,2]
+   Exit code:    3
+--------------------------------------------------------------------------
+"""
+OMPI4_EXIT = OMPI_EXIT.replace("[prterun-vm-16106@1,2]", "[[18037,1],2]")
+SRUN = """\
+srun: error: n3: task 1: Killed
+srun: error: n4: tasks 4-5,7: Exited with exit code 1
+srun: Terminating StepId=12.0
+"""
+
+
+def _feed(text: str) -> dict[int, str]:
+    s = LauncherScan()
+    for line in text.splitlines(keepends=True):
+        s.feed(line)
+    return s.found
+
+
+@pytest.mark.parametrize("text,want", [
+    (OMPI_KILLED, {1: "killed by SIGKILL on node vm"}),
+    (OMPI_ABORT, {1: "called MPI_Abort (errorcode 5)"}),
+    (OMPI_EXIT, {2: "exited with status 3"}),
+    (OMPI4_EXIT, {2: "exited with status 3"}),
+    (SRUN, {1: "killed on node n3", 4: "exited with exit code 1 on node n4",
+            5: "exited with exit code 1 on node n4", 7: "exited with exit code 1 on node n4"}),
+    ("rank 1 printed this line\nTraceback (most recent call last):\n", {}),
+])
+def test_launcher_reports_are_found_across_wrapped_lines(text: str, want: dict[int, str]
+                                                         ) -> None:
+    assert _feed(text) == want
+
+
+def test_segfault_and_unknown_signal_numbers() -> None:
+    assert scan("prterun noticed that process rank 0 with PID 1 on node a exited on "
+                "signal 11 (Segmentation fault).") == {0: "killed by SIGSEGV on node a"}
+    assert scan("mpiexec noticed that process rank 3 with PID 1 on node a exited on "
+                "signal 99 (?).") == {3: "killed by signal 99 on node a"}
+
+
+def test_first_report_of_a_rank_is_kept() -> None:
+    assert _feed(OMPI_KILLED + OMPI_KILLED.replace("signal 9 (Killed)",
+                                                   "signal 15 (Terminated)"))[1] \
+        == "killed by SIGKILL on node vm"
+
+
+def test_tee_copies_everything_and_scans_it() -> None:
+    """A real pipe from a child that writes the launcher's text, then a long line without
+    a newline: the sink gets every byte, the scan the failed rank."""
+    blob = "x" * 100_000
+    code = (f"import sys; sys.stderr.write({OMPI_KILLED!r}); sys.stderr.write('é\\n');"
+            f" sys.stderr.write({blob!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    sink = io.StringIO()
+    tee = StderrTee(proc.stderr, sink)
+    tee.start()
+    assert proc.wait(timeout=30) == 0
+    assert tee.found(wait=30) == {1: "killed by SIGKILL on node vm"}
+    assert not tee.is_alive()
+    assert sink.getvalue() == OMPI_KILLED + "é\n" + blob
+
+
+def test_records_say_more_than_the_abort_they_led_to(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FATAL_DIR_ENV, str(tmp_path))
+    record_death(2, aborted="timeout in phase 'vote' of step 3: a peer rank is dead or hung")
+    record_death(1, RuntimeError("CUDA error: an illegal memory access\nsecond line"))
+    record_death(1, RuntimeError("a later one is not kept"))
+    records = read_records(tmp_path)
+    assert [r["rank"] for r in records] == [2, 1]            # oldest first
+    assert all(r["recurs"] is False for r in records)
+    assert read_fatal(tmp_path) is None                       # retried: nothing recurs
+    failed = explain({0: "killed by SIGKILL on node a", 1: "called MPI_Abort (errorcode 1)",
+                      3: "exited with status 1"}, records)
+    assert list(failed.items()) == [
+        (0, "killed by SIGKILL on node a"),
+        (2, ("gave up on its peers: timeout in phase 'vote' of step 3: a peer rank is dead "
+             "or hung")),
+        (1, "raised RuntimeError: CUDA error: an illegal memory access"),
+        (3, "exited with status 1")]
+
+
+def test_a_recurring_uncaught_error_still_stops_the_loop(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setenv(FATAL_DIR_ENV, str(tmp_path))
+    record_death(0, ValueError("not ftkit's"))
+    record_death(3, ConfigError("FTKIT_LEVELS: unknown level 'bogus'"))
+    fatal = read_fatal(tmp_path)
+    assert fatal is not None and (fatal["rank"], fatal["kind"]) == (3, "ConfigError")
+
+
+def test_summary_names_three_ranks_and_counts_the_rest() -> None:
+    failed = {r: "killed by SIGKILL on node a" for r in range(5)}
+    assert summary(failed) == ("rank 0 killed by SIGKILL on node a; rank 1 killed by SIGKILL "
+                               "on node a; rank 2 killed by SIGKILL on node a; 2 more")
+    long = summary({0: "raised RuntimeError: " + "y" * 500})
+    assert len(long) < 200 and long.endswith("[...]")
+    assert summary({}) == ""
+
+
+def test_attempt_line_names_the_failed_rank() -> None:
+    res = judge(0, 137, False, 4.25, 0.0, failed={1: "killed by SIGKILL on node vm"})
+    assert res.failed == {1: "killed by SIGKILL on node vm"}
+    assert attempt_line(res, 3) == ("ftkit run: attempt 0: failed (exit 137: rank 1 killed "
+                                    "by SIGKILL on node vm) after 4.2 s; relaunching "
+                                    "(restart 1 of 3)")
+    ok = judge(1, 0, True, 1.0, 0.0, failed={1: "stale"})
+    assert ok.ok and ok.failed == {} and "rank" not in attempt_line(ok, 3)
+
+
+def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path) -> None:
+    """Two real ranks under mpiexec: rank 1 raises after the hooks are installed. The
+    record names rank 1 and the exception; it does not stop the relaunch loop."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.is_file():
+        pytest.skip(f"no mpiexec next to {sys.executable} (the test extras install it)")
+    code = ("from ftkit.comm.dist import install_abort_hooks\n"
+            "from mpi4py import MPI\n"
+            "install_abort_hooks()\n"
+            "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+            "    raise KeyError('weights.17')\n"
+            "MPI.COMM_WORLD.Barrier()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD_", "PMIX_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               **{FATAL_DIR_ENV: str(tmp_path)})
+    argv = [str(mpiexec), "-n", "2", "--oversubscribe", "--bind-to", "none",
+            sys.executable, "-c", code]
+    res = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    [record] = read_records(tmp_path)
+    assert (record["rank"], record["kind"], record["recurs"]) == (1, "KeyError", False)
+    assert explain(_feed(res.stderr), [record])[1] == "raised KeyError: 'weights.17'"
