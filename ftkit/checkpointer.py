@@ -80,8 +80,11 @@ class Checkpointer:
 
     def _init(self, topo: Topology, config: Config | None) -> None:
         self.topo = topo
-        self.config = config = config or Config.load()
+        config, fitted = (config or Config.load()).fit_to_nodes(len(topo.nodes))
+        self.config = config
         setup_rank_logging(topo.rank, config.log_level)
+        if fitted and topo.rank == 0:
+            log.warning("%s", fitted)
         _check_levels(config)
         self.dc = DistComm(topo.comm, config.timeout)
         root = config.node_dir(topo.node, os.environ.get("SLURMD_NODENAME"))

@@ -63,14 +63,18 @@ def parse_levels(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+DEFAULT_LEVELS = (("local", 1), ("partner", 1), ("pfs", 50))
+DEFAULT_JOB = "local"       # the job of a direct launch (mpiexec/srun) that names none
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Immutable ftkit settings; see the Configuration section of README.md for the meaning of every field."""
 
-    job: str = "local"
+    job: str = ""                    # "" = DEFAULT_JOB (ftkit run makes a new id instead)
     local_dir: str = ""
     pfs_dir: str = "./ftkit-ckpt"
-    levels: tuple[tuple[str, int], ...] = (("local", 1), ("partner", 1), ("pfs", 50))
+    levels: tuple[tuple[str, int], ...] = ()    # () = DEFAULT_LEVELS, see fit_to_nodes
     xor_set: int = 4
     rs_set: int = 4
     rs_parity: int = 2
@@ -81,11 +85,19 @@ class Config:
     attempt: int = 0
     log_level: str = "WARNING"
     start: str = "resume"
+    #: the fields among ``job`` and ``levels`` that nobody gave (neither FTKIT_*, Slurm,
+    #: ftkit.toml nor an argument): ftkit chose them (:meth:`fit_to_nodes`, ``ftkit run``)
+    defaulted: frozenset[str] = dataclasses.field(default=frozenset(), init=False,
+                                                  compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "defaulted", frozenset(
+            name for name, unset in (("job", not self.job), ("levels", not self.levels))
+            if unset))
         if not self.local_dir:
             object.__setattr__(self, "local_dir", f"/dev/shm/ftkit-{_default_user()}")
-        if not self.job or "/" in self.job or self.job in (".", ".."):
+        object.__setattr__(self, "job", self.job or DEFAULT_JOB)
+        if "/" in self.job or self.job in (".", ".."):
             raise ConfigError(f"FTKIT_JOB: {self.job!r} is not a valid directory name")
         for key in ("xor_set", "rs_set"):
             if getattr(self, key) < 2:
@@ -111,7 +123,7 @@ class Config:
         if start not in START_MODES:
             raise ConfigError(f"FTKIT_START: {self.start!r}; valid: {', '.join(START_MODES)}")
         object.__setattr__(self, "start", start)
-        text = ",".join(f"{name}:{every}" for name, every in self.levels)
+        text = ",".join(f"{name}:{every}" for name, every in self.levels or DEFAULT_LEVELS)
         object.__setattr__(self, "levels", parse_levels(text))
         self._check_schedule()
         if self.faults:
@@ -130,6 +142,22 @@ class Config:
             if every[name] % every["local"]:
                 raise ConfigError(f"FTKIT_LEVELS: interval of {name!r} ({every[name]}) must be "
                                   f"a multiple of the interval of 'local' ({every['local']})")
+
+    def fit_to_nodes(self, nodes: int) -> tuple[Config, str | None]:
+        """This Config for a job on ``nodes`` nodes, and a warning when it had to change.
+
+        A redundancy level of the *default* levels that cannot be placed (a partner copy needs
+        a second node) is dropped; levels the user asked for are kept (and refused later, with
+        a clear error, when they cannot be placed). Pure.
+        """
+        if "levels" not in self.defaulted or nodes >= 2 or "partner" not in dict(self.levels):
+            return self, None
+        kept = tuple((name, every) for name, every in self.levels if name != "partner")
+        text = ",".join(f"{name}:{every}" for name, every in kept)
+        return dataclasses.replace(self, levels=kept), (
+            f"FTKIT_LEVELS is not set and every rank runs on one node: the default 'partner' "
+            f"level (a copy on another node) is left out, levels are {text}. Set FTKIT_LEVELS "
+            f"to choose them (FTKIT_RANKS_PER_NODE makes virtual nodes for a test)")
 
     # ----------------------------------------------------------------- derived
     def interval(self, level: str) -> int:

@@ -340,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
     except (BadInput, sandbox.SandboxError) as exc:
         print(f"ftkit {args.command}: error: {exc}", file=sys.stderr, flush=True)
         return BAD
+    except BrokenPipeError:
+        raise                       # the reader of stdout is gone (| head): ftkit.cli.main
     except Exception as exc:
         log.debug("ftkit %s failed", args.command, exc_info=True)
         print(f"ftkit {args.command}: error: {args.path}: unexpected {type(exc).__name__}: "

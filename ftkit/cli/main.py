@@ -111,6 +111,15 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "requeued Slurm job, resume what it committed. Without it a job "
                           "whose checkpoints cannot be used stops (status 3) and keeps them. "
                           "To delete a job's data without running it: ftkit clean JOB")
+    run.add_argument("--resume", nargs="?", const="", default=None, metavar="JOB",
+                     help="continue JOB (its newest committed step) instead of starting a "
+                          "new job; without JOB the job under $FTKIT_PFS_DIR that was active "
+                          "last. Without --resume, FTKIT_JOB or Slurm, every ftkit run starts "
+                          "a new job with its own id (printed)")
+    run.add_argument("--keep-local", action="store_true",
+                     help="keep the node-local copies of a job this ftkit run started (by "
+                          "default a successful end removes them on this host once its newest "
+                          "step is on the PFS)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                      help="the command every rank runs")
     run.set_defaults(func=_cmd_run)
@@ -257,10 +266,15 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+BROKEN_PIPE_STATUS = 128 + 13   # as a shell reports a command ended by SIGPIPE
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ftkit`` argument parser with every registered subcommand."""
     parser = argparse.ArgumentParser(prog="ftkit", description="Fault tolerance for MPI "
                                      "training jobs: checkpoints, recovery, relaunch.")
+    from ftkit import __version__
+    parser.add_argument("--version", action="version", version=f"ftkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
     _add_clean_parser(sub)
@@ -278,23 +292,28 @@ def _error(command: str, exc: Exception) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """Body of ``ftkit run``."""
+    from ftkit.launch.jobs import choose_job
     from ftkit.launch.relaunch import RunSpec, resolve_launcher, run_job
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     try:
-        cfg = Config.load()
+        if args.resume is not None and args.fresh:
+            raise ConfigError("--resume and --fresh contradict each other: give one")
+        job = choose_job(Config.load(), args.resume)
+        cfg = job.cfg
         configure_logging(cfg.log_level)
         spec = RunSpec(n=args.n, cmd=tuple(cmd), ranks_per_node=args.ranks_per_node,
                        spares=args.spares, max_restarts=args.max_restarts,
                        attempt_timeout=args.attempt_timeout,
                        stall_timeout=args.stall_timeout,
-                       fresh=_starts_fresh(args.fresh or cfg.start == "fresh"))
+                       fresh=_starts_fresh(args.fresh or cfg.start == "fresh"),
+                       tidy=job.new and not args.keep_local)
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg)
-        print(f"ftkit run: job {cfg.job}: {args.n} ranks, up to {args.max_restarts} "
+        print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "
               f"restart(s) (--max-restarts)", file=sys.stderr, flush=True)
-        return run_job(spec, cfg, launcher)
+        return run_job(spec, cfg, launcher, {**os.environ, "FTKIT_JOB": cfg.job})
     except (ConfigError, LaunchError) as exc:
         return _error("run", exc)
 
@@ -478,7 +497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:          # --help, usage errors
         return exc.code if isinstance(exc.code, int) else USAGE_STATUS
     func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    try:
+        return func(args)
+    except BrokenPipeError:            # ftkit inspect ... | head: the reader is gone
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())   # no second error when Python flushes at exit
+        return BROKEN_PIPE_STATUS
 
 
 if __name__ == "__main__":

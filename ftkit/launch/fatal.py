@@ -7,7 +7,8 @@ cannot be used, a state whose structure does not match the checkpoint
 small JSON record, and ``ftkit run`` reads it after a failed attempt and stops::
 
     $FTKIT_FATAL_DIR/rank-<rank>.json   {"kind": "ConfigError", "message": "...",
-                                         "rank": 3, "host": "n1", "time": 1718000000.0}
+                                         "rank": 3, "recurs": true, "host": "n1",
+                                         "time": 1718000000.123456}
 
 ``ftkit run`` makes a fresh, empty ``FTKIT_FATAL_DIR`` for every attempt (under the job's PFS
 directory, which every node sees) and removes it afterwards. Writers: ``Config.load``,

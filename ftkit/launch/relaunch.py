@@ -51,11 +51,12 @@ from typing import Any, Protocol, TextIO
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import append_event, restored_step
+from ftkit.events import append_event, read_events, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.failures import StderrTee, explain, signame
 from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records
+from ftkit.launch.jobs import tidy_local
 from ftkit.launch.mpiexec import MpiexecLauncher
 from ftkit.launch.outcome import (
     AttemptResult,
@@ -130,6 +131,8 @@ class RunSpec:
     stall_timeout: float = DEFAULT_STALL_TIMEOUT         # seconds; 0: no progress watchdog
     kill_grace: float = DEFAULT_KILL_GRACE
     fresh: bool = False                  # attempt 0 starts over (FTKIT_START=fresh)
+    tidy: bool = False                   # a successful end removes this host's node-local
+    #                                      copies (when the newest step is on the PFS)
 
     def start(self, attempt: int) -> str:
         """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
@@ -440,6 +443,8 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
             record = marker.read_marker(done) if result.ok else {}
             if record.get("stopped"):
                 return _stopped(cfg, launcher, record, out)
+            if result.ok and spec.tidy and isinstance(launcher, MpiexecLauncher):
+                _tidy(cfg, record.get("last_committed"), out)
             if result.ok or result.interrupted is not None or result.fatal is not None:
                 break
             if recover is not None and attempt < spec.max_restarts:
@@ -447,6 +452,13 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                 if status is not None:
                     return status
     return _finish(cfg, result, interrupt)
+
+
+def _tidy(cfg: Config, last_committed: Any, out: TextIO) -> None:
+    step = last_committed if isinstance(last_committed, int) else None
+    line = tidy_local(cfg, step, list(read_events(cfg.events_path)))
+    if line:
+        print(f"ftkit run: {line}", file=out, flush=True)
 
 
 def _fatal_fields(result: AttemptResult) -> dict[str, Any]:

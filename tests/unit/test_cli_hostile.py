@@ -512,3 +512,21 @@ def test_exit_statuses_are_documented() -> None:
         for status in ("Exit 0:", "1:", "2: usage"):
             assert status in text, (name, status)
         assert "--timeout" in text and "signal" in text, name
+
+
+def test_version_and_a_reader_that_is_gone(tmp_path: Path) -> None:
+    """``ftkit --version`` answers; ``ftkit inspect --json`` into a pipe whose reader has
+    closed (``| head``) ends quietly with 141, as a shell reports SIGPIPE — no traceback."""
+    version = subprocess.run([sys.executable, "-m", "ftkit.cli.main", "--version"],
+                             check=False, capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("ftkit "), version
+    _step(tmp_path)
+    read, write = os.pipe()
+    os.close(read)                       # the reader is gone before anything is written
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ftkit.cli.main", "inspect", "--json",
+                               str(tmp_path / "job")], check=False, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr

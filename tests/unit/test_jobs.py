@@ -1,0 +1,87 @@
+"""Which job an ``ftkit run`` runs (ftkit.launch.jobs) and the defaults that adapt to the
+machine (Config.defaulted, Config.fit_to_nodes)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from ftkit.config import DEFAULT_JOB, DEFAULT_LEVELS, Config
+from ftkit.errors import ConfigError
+from ftkit.launch.jobs import NEWEST, choose_job, jobs_in, new_job_id, tidy_local
+
+
+def _job(pfs: Path, name: str, mtime: float) -> None:
+    (pfs / name).mkdir(parents=True)
+    events = pfs / name / "events.jsonl"
+    events.write_text(json.dumps({"event": "launch"}) + "\n")
+    os.utime(events, (mtime, mtime))
+
+
+def test_defaulted_names_what_nobody_gave() -> None:
+    assert Config().defaulted == {"job", "levels"}
+    assert (Config().job, Config().levels) == (DEFAULT_JOB, DEFAULT_LEVELS)
+    assert Config.load(env={"FTKIT_JOB": "a"}).defaulted == {"levels"}
+    assert Config.load(env={"SLURM_JOB_ID": "7"}).defaulted == {"levels"}
+    assert Config.load(env={"FTKIT_LEVELS": "local:1"}).defaulted == {"job"}
+    assert Config(levels=DEFAULT_LEVELS).defaulted == {"job"}       # given, even if equal
+
+
+def test_default_levels_fit_one_node_but_asked_ones_are_kept() -> None:
+    cfg, why = Config().fit_to_nodes(1)
+    assert cfg.levels == (("local", 1), ("pfs", 50))
+    assert why is not None and "'partner'" in why and "local:1,pfs:50" in why
+    assert Config().fit_to_nodes(2) == (Config(), None)
+    asked = Config(levels=DEFAULT_LEVELS)
+    assert asked.fit_to_nodes(1) == (asked, None)     # refused later, with a clear error
+
+
+def test_new_job_ids_differ_and_sort_by_time() -> None:
+    ids = {new_job_id(1_800_000_000.0) for _ in range(50)}
+    assert len(ids) > 40
+    assert all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", i) for i in ids)
+    assert new_job_id(1_800_000_000.0) < new_job_id(1_800_000_060.0)
+
+
+def test_each_run_is_a_new_job_unless_one_is_named(tmp_path: Path) -> None:
+    cfg = Config(pfs_dir=str(tmp_path))
+    a, b = choose_job(cfg, None), choose_job(cfg, None)
+    assert a.new and b.new and a.cfg.job != b.cfg.job
+    assert f"ftkit run --resume {a.cfg.job}" in a.line
+    named = choose_job(Config(pfs_dir=str(tmp_path), job="mine"), None)
+    assert (named.cfg.job, named.new) == ("mine", False)
+
+
+def test_resume_finds_the_job_or_says_which_exist(tmp_path: Path) -> None:
+    _job(tmp_path, "old", 1000.0)
+    _job(tmp_path, "new", 2000.0)
+    (tmp_path / "not-a-job").mkdir()
+    assert jobs_in(tmp_path) == ["old", "new"]
+    cfg = Config(pfs_dir=str(tmp_path))
+    assert choose_job(cfg, NEWEST).cfg.job == "new"
+    got = choose_job(cfg, "old")
+    assert (got.cfg.job, got.new) == ("old", False) and "continuing" in got.line
+    with pytest.raises(ConfigError, match=r"--resume nope: no such job under .*old, new"):
+        choose_job(cfg, "nope")
+    with pytest.raises(ConfigError, match="contradicts FTKIT_JOB=new"):
+        choose_job(Config(pfs_dir=str(tmp_path), job="new"), "old")
+    with pytest.raises(ConfigError, match="no job to continue"):
+        choose_job(Config(pfs_dir=str(tmp_path / "empty")), NEWEST)
+
+
+def test_tidy_removes_local_copies_only_when_the_newest_step_is_on_the_pfs(tmp_path: Path
+                                                                        ) -> None:
+    cfg = Config(pfs_dir=str(tmp_path / "pfs"), local_dir=str(tmp_path / "local"), job="j")
+    node = cfg.job_local_dir / "node-0"
+    node.mkdir(parents=True)
+    (node / "rank-0.ftk").write_bytes(b"x")
+    flushed = [{"event": "flush", "step": 5}, {"event": "commit", "step": 6}]
+    line = tidy_local(cfg, 6, flushed)
+    assert "kept" in line and "step 6 is not on the PFS" in line and node.exists()
+    assert tidy_local(cfg, None, flushed) == "" and node.exists()
+    line = tidy_local(cfg, 5, flushed)
+    assert line.startswith("removed") and not cfg.job_local_dir.exists()
+    assert tidy_local(cfg, 5, flushed) == ""                      # nothing left to say
