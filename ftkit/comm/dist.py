@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 from mpi4py import MPI
 
 from ftkit.errors import CheckpointError, ProtocolTimeout
-from ftkit.launch.fatal import record_death
+from ftkit.launch.fatal import record_death, recurs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -260,6 +261,11 @@ def describe(exc: BaseException) -> str:
 _hooks_installed = False
 
 
+def _debugging() -> bool:
+    return (log.isEnabledFor(logging.DEBUG)
+            or os.environ.get("FTKIT_LOG_LEVEL", "").strip().upper() == "DEBUG")
+
+
 def install_abort_hooks() -> None:
     """Make an uncaught exception in any thread abort the MPI world instead of hanging it.
 
@@ -273,9 +279,14 @@ def install_abort_hooks() -> None:
     previous = sys.excepthook
 
     def _abort(kind: str, exc_type: Any, exc: Any, tb: Any) -> None:
-        sys.stderr.write(f"ftkit: uncaught exception in {kind} on rank "
-                         f"{MPI.COMM_WORLD.Get_rank()}; aborting the MPI job\n")
-        traceback.print_exception(exc_type, exc, tb)
+        rank = MPI.COMM_WORLD.Get_rank()
+        if recurs(exc) and not _debugging():
+            # a configuration or checkpoint error: its message says it all, no traceback
+            sys.stderr.write(f"ftkit: rank {rank}: {type(exc).__name__}: {exc}\n")
+        else:
+            sys.stderr.write(f"ftkit: uncaught exception in {kind} on rank {rank}; "
+                             f"aborting the MPI job\n")
+            traceback.print_exception(exc_type, exc, tb)
         sys.stderr.flush()
         record_death(MPI.COMM_WORLD.Get_rank(), exc)     # for ftkit run's attempt line
         MPI.COMM_WORLD.Abort(1)

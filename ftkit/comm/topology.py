@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 
 from mpi4py import MPI
 
@@ -51,6 +52,30 @@ def virtual_nodes(world: int, ranks_per_node: int) -> list[int]:
     return [r // ranks_per_node for r in range(world)]
 
 
+#: (size variable, rank variable, who sets them) of launchers that start several processes
+LAUNCHER_VARS = (("WORLD_SIZE", "RANK", "torchrun"), ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "srun"),
+                 ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "Open MPI's mpiexec"),
+                 ("PMI_SIZE", "PMI_RANK", "a PMI launcher (mpiexec, srun)"))
+
+
+def check_launcher(env: Mapping[str, str], mpi_world: int) -> None:
+    """Refuse a process that its launcher started as one of N but that MPI sees alone
+    (``torchrun``, or ``srun``/``mpiexec`` with an MPI that mpi4py is not built against):
+    every such process would be rank 0 of its own world and write the same files. Pure;
+    raises ConfigError. A world of more than one process is MPI's word and is trusted."""
+    if mpi_world != 1:
+        return
+    for size_key, rank_key, who in LAUNCHER_VARS:
+        raw = env.get(size_key, "").strip()
+        if raw.isdigit() and int(raw) > 1:
+            raise ConfigError(
+                f"this process is one of {raw} started by {who} ({size_key}={raw}, "
+                f"{rank_key}={env.get(rank_key, '?')}), but MPI sees a world of 1 process: "
+                f"every process would be rank 0 and write the same files. ftkit's ranks are "
+                f"MPI ranks: launch with `ftkit run -n {raw} -- python ...` (or mpiexec/srun "
+                f"of the MPI that mpi4py is built against)")
+
+
 class Topology:
     """Communicators and placement of one job. Build it with :meth:`create` (collective)."""
 
@@ -81,6 +106,7 @@ class Topology:
         install_abort_hooks()
         world, rank = comm.Get_size(), comm.Get_rank()
         try:
+            check_launcher(os.environ, MPI.COMM_WORLD.Get_size())
             dp, ranks_per_node = check_shape(world, tp, pp), _ranks_per_node(ranks_per_node)
         except ConfigError as exc:
             record_fatal(exc, rank)

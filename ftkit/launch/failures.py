@@ -46,12 +46,16 @@ WINDOW = 8              # lines of launcher output matched together (Open MPI wr
 MAX_LINE = 1 << 16      # a longer line is copied through in pieces
 SHOWN = 3               # ranks named in an attempt line; the rest are counted
 SHORT = 160             # characters of one rank's reason in an attempt line
+MAX_BLOCK = 60          # lines of a framed launcher report held back at most
+_RULE = re.compile(r"^-{74}\s*$")      # Open MPI frames its reports with exactly these
 
 _OMPI_SIGNAL = re.compile(r"noticed that process rank (\d+) with PID \d+ on node (\S+) "
                           r"exited on signal (\d+)")
 _OMPI_ABORT = re.compile(r"MPI_ABORT was invoked on rank (\d+) in communicator \S+"
                          r"(?: with errorcode (-?\d+)| Proc: \S+ Errorcode: (-?\d+))")
 _OMPI_EXIT = re.compile(r"exited with non-zero status, .*? Process name: (\S+) Exit code: (\d+)")
+_OMPI_CALLED_ABORT = re.compile(r"has exited due to process rank (\d+) with PID \d+ on node "
+                                r"(\S+) calling \"?abort")
 _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 
 
@@ -80,6 +84,8 @@ def scan(window: str) -> dict[int, str]:
         found[int(m.group(1))] = f"killed by {signame(int(m.group(3)))} on node {m.group(2)}"
     for m in _OMPI_ABORT.finditer(window):
         found[int(m.group(1))] = f"called MPI_Abort (errorcode {m.group(2) or m.group(3)})"
+    for m in _OMPI_CALLED_ABORT.finditer(window):
+        found.setdefault(int(m.group(1)), f"called MPI_Abort on node {m.group(2)}")
     for m in _OMPI_EXIT.finditer(window):
         numbers = re.findall(r"\d+", m.group(1))   # [prterun-n0-16106@1,1] or [[18037,1],1]
         if numbers:
@@ -113,25 +119,54 @@ class LauncherScan:
 
 class StderrTee(threading.Thread):
     """Copy a launcher's stderr to ``sink`` as it comes, scanning it with a
-    :class:`LauncherScan`. Ends when every writer of the pipe has closed it."""
+    :class:`LauncherScan`. Ends when every writer of the pipe has closed it.
 
-    def __init__(self, source: IO[bytes], sink: TextIO | None = None) -> None:
+    With ``condense`` (the default), a launcher's framed report (Open MPI's text between two
+    lines of dashes) that names a failed rank is not copied: the attempt line of ``ftkit run``
+    says the same in one line. Every other line passes through unchanged, in order.
+    """
+
+    def __init__(self, source: IO[bytes], sink: TextIO | None = None, *,
+                 condense: bool = True) -> None:
         super().__init__(name="ftkit-stderr", daemon=True)
         self.source = source
         self.sink = sink
+        self.condense = condense
         self.scan = LauncherScan()
+        self._block: list[str] | None = None
 
     def run(self) -> None:
-        sink = self.sink if self.sink is not None else sys.stderr
         with self.source:
             for raw in iter(lambda: self.source.readline(MAX_LINE), b""):
                 text = raw.decode("utf-8", errors="replace")
-                try:
-                    sink.write(text)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass                  # ftkit run's own stderr is gone: keep scanning
                 self.scan.feed(text)
+                if text.endswith("\n") or text.strip():    # not Open MPI's stray last " "
+                    self._take(text)
+        if self._block:
+            self._write(self._block)
+
+    def _take(self, text: str) -> None:
+        """Copy ``text`` through, or hold it while a framed report is open."""
+        rule = self.condense and _RULE.match(text) is not None
+        if self._block is None:
+            if rule:
+                self._block = [text]
+            else:
+                self._write([text])
+            return
+        self._block.append(text)
+        if rule or len(self._block) > MAX_BLOCK:
+            block, self._block = self._block, None
+            if not (rule and scan(" ".join("".join(block).split()))):
+                self._write(block)
+
+    def _write(self, lines: list[str]) -> None:
+        sink = self.sink if self.sink is not None else sys.stderr
+        try:
+            sink.write("".join(lines))
+            sink.flush()
+        except (OSError, ValueError):
+            pass                          # ftkit run's own stderr is gone: keep scanning
 
     def found(self, wait: float) -> dict[int, str]:
         """The ranks found so far, after up to ``wait`` seconds for the pipe to end."""

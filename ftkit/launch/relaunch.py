@@ -343,7 +343,7 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
     assert proc.stderr is not None
-    tee = StderrTee(proc.stderr)
+    tee = StderrTee(proc.stderr, condense=not log.isEnabledFor(logging.DEBUG))
     tee.start()
     watch = AttemptWatch(start, spec.attempt_timeout, spec.stall_timeout, events)
     try:

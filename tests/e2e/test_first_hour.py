@@ -51,3 +51,25 @@ def test_defaults_on_one_machine_and_one_job_per_run(tmp_path: Path) -> None:
     assert starts == [6] and "succeeded" in attempt and "(resumed at step 6)" in attempt
     # step 6 is only node-local (pfs:50): kept, and the run says so
     assert (tmp_path / "local" / first).is_dir()
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_without_an_mpi_world_is_refused(tmp_path: Path) -> None:
+    """Under real ``torchrun --nproc-per-node 2`` each process is rank 0 of a 1-process MPI
+    world: ``Topology.create`` refuses on both, naming the launcher and how to launch."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.is_file():
+        pytest.skip(f"no torchrun next to {sys.executable}")
+    script = tmp_path / "train.py"
+    script.write_text("from mpi4py import MPI\nimport ftkit\n"
+                      "ftkit.Topology.create(MPI.COMM_WORLD)\nprint('created')\n")
+    env = job_env(tmp_path)
+    res = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--standalone", str(script)],
+                         check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=150)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "created" not in res.stdout, out[-3000:]
+    for rank in (0, 1):
+        assert (f"ConfigError: this process is one of 2 started by torchrun (WORLD_SIZE=2, "
+                f"RANK={rank}), but MPI sees a world of 1 process") in out, out[-3000:]
+    assert "launch with `ftkit run -n 2 -- python ...`" in out

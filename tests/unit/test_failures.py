@@ -86,21 +86,27 @@ def test_first_report_of_a_rank_is_kept() -> None:
         == "killed by SIGKILL on node vm"
 
 
-def test_tee_copies_everything_and_scans_it() -> None:
-    """A real pipe from a child that writes the launcher's text, then a long line without
-    a newline: the sink gets every byte, the scan the failed rank."""
+USER_BOX = "-" * 74 + "\nepoch 3 | loss 0.25\n" + "-" * 74 + "\n"
+
+
+@pytest.mark.parametrize("condense", [True, False])
+def test_tee_copies_everything_and_scans_it(condense: bool) -> None:
+    """A real pipe from a child that writes the launcher's report between its own lines (one
+    framed like Open MPI's), then a long line without a newline: the sink gets every byte
+    but the report it condensed, in order; the scan finds the failed rank either way."""
     blob = "x" * 100_000
-    code = (f"import sys; sys.stderr.write({OMPI_KILLED!r}); sys.stderr.write('é\\n');"
-            f" sys.stderr.write({blob!r})")
+    text = "before\n" + OMPI_KILLED + USER_BOX + "é\n" + blob
+    code = f"import sys; sys.stderr.write({text!r})"
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE)
     assert proc.stderr is not None
     sink = io.StringIO()
-    tee = StderrTee(proc.stderr, sink)
+    tee = StderrTee(proc.stderr, sink, condense=condense)
     tee.start()
     assert proc.wait(timeout=30) == 0
     assert tee.found(wait=30) == {1: "killed by SIGKILL on node vm"}
     assert not tee.is_alive()
-    assert sink.getvalue() == OMPI_KILLED + "é\n" + blob
+    want = text if not condense else "before\n" + USER_BOX + "é\n" + blob
+    assert sink.getvalue() == want
 
 
 def test_records_say_more_than_the_abort_they_led_to(tmp_path: Path,
@@ -152,25 +158,40 @@ def test_attempt_line_names_the_failed_rank() -> None:
     assert ok.ok and ok.failed == {} and "rank" not in attempt_line(ok, 3)
 
 
-def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("raised,recurring", [
+    ("KeyError('weights.17')", False),
+    ("ConfigError('FTKIT_LEVELS: unknown level bogus')", True)])
+def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path, raised: str,
+                                                           recurring: bool) -> None:
     """Two real ranks under mpiexec: rank 1 raises after the hooks are installed. The
-    record names rank 1 and the exception; it does not stop the relaunch loop."""
+    record names rank 1 and the exception (it stops the relaunch loop only when the error
+    would recur); an error that would recur is one line on stderr, the others a traceback."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     if not mpiexec.is_file():
         pytest.skip(f"no mpiexec next to {sys.executable} (the test extras install it)")
     code = ("from ftkit.comm.dist import install_abort_hooks\n"
+            "from ftkit.errors import ConfigError\n"
             "from mpi4py import MPI\n"
             "install_abort_hooks()\n"
             "if MPI.COMM_WORLD.Get_rank() == 1:\n"
-            "    raise KeyError('weights.17')\n"
+            f"    raise {raised}\n"
             "MPI.COMM_WORLD.Barrier()\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD_", "PMIX_"))}
+    env.pop("FTKIT_LOG_LEVEL", None)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                **{FATAL_DIR_ENV: str(tmp_path)})
     argv = [str(mpiexec), "-n", "2", "--oversubscribe", "--bind-to", "none",
             sys.executable, "-c", code]
-    res = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(argv, check=False, env=env, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode != 0
     [record] = read_records(tmp_path)
-    assert (record["rank"], record["kind"], record["recurs"]) == (1, "KeyError", False)
-    assert explain(_feed(res.stderr), [record])[1] == "raised KeyError: 'weights.17'"
+    kind = raised.split("(")[0]
+    assert (record["rank"], record["kind"], record["recurs"]) == (1, kind, recurring)
+    assert (read_fatal(tmp_path) is not None) == recurring
+    assert explain(_feed(res.stderr), [record])[1].startswith(f"raised {kind}: ")
+    if recurring:
+        assert "ftkit: rank 1: ConfigError: FTKIT_LEVELS: unknown level bogus\n" in res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
+    else:
+        assert "Traceback" in res.stderr and "KeyError: 'weights.17'" in res.stderr

@@ -85,3 +85,18 @@ def test_tidy_removes_local_copies_only_when_the_newest_step_is_on_the_pfs(tmp_p
     line = tidy_local(cfg, 5, flushed)
     assert line.startswith("removed") and not cfg.job_local_dir.exists()
     assert tidy_local(cfg, 5, flushed) == ""                      # nothing left to say
+
+
+@pytest.mark.parametrize("env,who", [
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "torchrun"),
+    ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5"}, "srun"),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"}, "Open MPI's mpiexec"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "2"}, "a PMI launcher")])
+def test_a_launcher_world_that_mpi_does_not_see_is_refused(env: dict[str, str], who: str
+                                                          ) -> None:
+    from ftkit.comm.topology import check_launcher
+    with pytest.raises(ConfigError, match=f"started by {re.escape(who)}"):
+        check_launcher(env, 1)
+    check_launcher(env, int(next(iter(env.values()))))      # MPI agrees: fine
+    check_launcher(env, 3)                                   # MPI's world is trusted
+    check_launcher({"WORLD_SIZE": "1", "SLURM_NTASKS": "8"}, 1)   # one process; a batch step
