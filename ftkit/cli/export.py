@@ -395,9 +395,23 @@ def write_pt(items: list[Item], out: Path, scratch: Path, rep: Reporter) -> None
 
 # --------------------------------------------------------------------------- the command
 
-def export_step(ref: StepRef, fmt: str, scratch: Path, rep: Reporter
-                ) -> dict[str, Any]:
-    """Write ``scratch/out`` (the child's work); a summary for the parent."""
+def select(items: list[Item], prefix: str, label: str) -> list[Item]:
+    """The items under state path ``prefix``, keyed without ``prefix/`` (``--only``)."""
+    prefix = prefix.strip("/")
+    chosen = [item for item in items if item.key.startswith(prefix + "/")]
+    if not chosen:
+        tops = sorted({item.key.split("/", 1)[0] for item in items})
+        raise ExportError(f"{label}: no tensor under {prefix!r} (the state's top-level keys: "
+                          f"{', '.join(tops) or 'none'})")
+    for item in chosen:
+        item.key = item.key[len(prefix) + 1:]
+    return chosen
+
+
+def export_step(ref: StepRef, fmt: str, scratch: Path, rep: Reporter,
+                only: str | None = None) -> dict[str, Any]:
+    """Write ``scratch/out`` (the child's work); a summary for the parent. ``only``: the
+    state path whose tensors alone are written (:func:`select`)."""
     rep.progress(str(ref.h5))
     try:
         with open_step(ref) as reader:
@@ -406,6 +420,8 @@ def export_step(ref: StepRef, fmt: str, scratch: Path, rep: Reporter
             if len(items) != expected:
                 raise ExportError(f"{ref.label}: {len(items)} tensors to write, but the "
                                   f"tree(s) hold {expected}")
+            if only is not None:
+                items = select(items, only, ref.label)
             meta = {"ftkit_job": str(reader.meta.get("job", "")),
                     "ftkit_step": str(reader.meta.get("step", ref.step)),
                     "ftkit_source": source}
@@ -435,8 +451,11 @@ def _export_format(args: argparse.Namespace) -> str:
 def _pick(args: argparse.Namespace) -> StepRef:
     target = resolve(args.path)
     if args.step is None and not target.single:
-        steps = ", ".join(str(r.step) for r in target.steps if r.state()[0]) or "none"
-        raise UsageError(f"--step is required for a job directory (committed steps: {steps})")
+        newest = target.newest()
+        if newest is None or not newest.state()[0]:
+            raise ExportError(f"no committed step in {args.path} (steps: "
+                              f"{target.step_list()})")
+        return newest
     ref = target.pick(args.step)
     committed, reason = ref.state()
     if not committed:
@@ -457,7 +476,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"--out {out}: cannot write in {out.parent}: {exc.strerror}") from exc
     try:
-        done = sandbox.run(lambda rep: export_step(ref, fmt, scratch, rep),
+        done = sandbox.run(lambda rep: export_step(ref, fmt, scratch, rep, getattr(args, "only", None)),
                            timeout=args.timeout, what=str(ref.h5), passthrough=(ExportError,))
         os.replace(scratch / OUT, out)
         fsync_dir(out.parent)

@@ -55,6 +55,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):          # False for nan too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -64,7 +71,7 @@ def _positive_float(text: str) -> float:
 
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit run -n N [...] -- CMD [ARGS...]``."""
-    from ftkit.launch.outcome import NOT_RETRIED_STATUS
+    from ftkit.launch.outcome import DEFAULT_RESTART_DELAY, NOT_RETRIED_STATUS
     from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_STALL_TIMEOUT, LAUNCHERS
     run = sub.add_parser(
         "run", help="launch CMD on N ranks and relaunch it on failure",
@@ -111,6 +118,11 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "requeued Slurm job, resume what it committed. Without it a job "
                           "whose checkpoints cannot be used stops (status 3) and keeps them. "
                           "To delete a job's data without running it: ftkit clean JOB")
+    run.add_argument("--restart-delay", type=_seconds, default=DEFAULT_RESTART_DELAY,
+                     metavar="SECONDS",
+                     help="wait this long before the first relaunch, twice as long before "
+                          "each next one, at most 60 s (default "
+                          f"{DEFAULT_RESTART_DELAY:g}; 0: relaunch at once)")
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="JOB",
                      help="continue JOB (its newest committed step) instead of starting a "
                           "new job; without JOB the job under $FTKIT_PFS_DIR that was active "
@@ -227,8 +239,13 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "only when complete. " + _CHECKPOINT_EXIT + "Exit 0: written; 1: "
                     "incomplete, corrupt, unmergeable or unreadable (nothing written); 2: "
                     "usage error.")
-    _checkpoint_args(p, "step to export (required for a job directory)", json_flag=False)
+    _checkpoint_args(p, "step to export (default: the newest committed step)",
+                     json_flag=False)
     p.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    p.add_argument("--only", metavar="PREFIX",
+                   help="export only the tensors under this state path, with PREFIX/ cut "
+                        "from their keys: --only model gives the keys of model.state_dict(), "
+                        "ready for load_state_dict")
     p.add_argument("--format", choices=("pt", "safetensors"),
                    help="pt: torch.save (default; needs torch); safetensors: written by "
                         "ftkit itself (default for a .safetensors FILE)")
@@ -308,6 +325,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        attempt_timeout=args.attempt_timeout,
                        stall_timeout=args.stall_timeout,
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"),
+                       restart_delay=args.restart_delay,
                        tidy=job.new and not args.keep_local)
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg)

@@ -14,6 +14,8 @@ from ftkit.launch.fatal import first_line
 
 TIMEOUT_STATUS = 124
 NOT_RETRIED_STATUS = 3              # a rank raised an error that a relaunch would hit again
+DEFAULT_RESTART_DELAY = 2.0         # seconds before the first restart; doubled at every next
+MAX_RESTART_DELAY = 60.0
 NO_MARKER_REASON = "exited 0 but the job did not reach Checkpointer.close() on every rank"
 
 
@@ -82,8 +84,19 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
                          failed=failed if not ok else {})
 
 
-def attempt_line(result: AttemptResult, max_restarts: int) -> str:
-    """The one stdout line printed for an attempt (pure)."""
+def restart_delay(restart: int, first: float) -> float:
+    """Seconds to wait before restart ``restart`` (1, 2, ...): ``first``, doubled at every
+    further restart, at most :data:`MAX_RESTART_DELAY` (pure). A crash loop does not burn
+    its restarts in seconds, and a transient fault (a node rebooting, a file system
+    recovering) gets time to clear."""
+    if first <= 0 or restart < 1:
+        return 0.0
+    return float(min(first * 2.0 ** min(restart - 1, 30), MAX_RESTART_DELAY))
+
+
+def attempt_line(result: AttemptResult, max_restarts: int, delay: float = 0.0) -> str:
+    """The one stdout line printed for an attempt (pure); ``delay``: seconds until the
+    relaunch it announces."""
     head = f"ftkit run: attempt {result.attempt}: "
     took = f"after {result.seconds:.1f} s"
     if result.resumed:
@@ -97,5 +110,6 @@ def attempt_line(result: AttemptResult, max_restarts: int) -> str:
     what = f"failed ({result.reason})" + ("" if result.rc is None else f" {took}")
     if result.attempt < max_restarts:
         restart = result.attempt + 1
-        return head + f"{what}; relaunching (restart {restart} of {max_restarts})"
+        when = f" in {delay:g} s" if delay > 0 else ""
+        return head + f"{what}; relaunching{when} (restart {restart} of {max_restarts})"
     return head + f"{what}; no restarts left"

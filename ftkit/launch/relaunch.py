@@ -62,6 +62,7 @@ from ftkit.launch.outcome import (
     AttemptResult,
     attempt_line,
     judge,
+    restart_delay,
 )
 from ftkit.recovery.identity import LAUNCH_ID_ENV, new_run_id
 
@@ -131,6 +132,7 @@ class RunSpec:
     stall_timeout: float = DEFAULT_STALL_TIMEOUT         # seconds; 0: no progress watchdog
     kill_grace: float = DEFAULT_KILL_GRACE
     fresh: bool = False                  # attempt 0 starts over (FTKIT_START=fresh)
+    restart_delay: float = 0.0           # seconds before restart 1, then doubled (the CLI: 2)
     tidy: bool = False                   # a successful end removes this host's node-local
     #                                      copies (when the newest step is on the PFS)
 
@@ -439,7 +441,8 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    failed={str(r): how for r, how in result.failed.items()},
                    **_fatal_fields(result))
-            print(attempt_line(result, spec.max_restarts), file=out, flush=True)
+            delay = restart_delay(attempt + 1, spec.restart_delay)
+            print(attempt_line(result, spec.max_restarts, delay), file=out, flush=True)
             record = marker.read_marker(done) if result.ok else {}
             if record.get("stopped"):
                 return _stopped(cfg, launcher, record, out)
@@ -451,7 +454,16 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                 status = _recover(cfg, launcher, attempt, out)
                 if status is not None:
                     return status
+            if attempt < spec.max_restarts:
+                _pause(delay, interrupt)
     return _finish(cfg, result, interrupt)
+
+
+def _pause(seconds: float, interrupt: _Interrupt) -> None:
+    """Wait ``seconds`` before a relaunch; a signal to ``ftkit run`` ends the wait."""
+    until = time.monotonic() + seconds
+    while interrupt.signum is None and (left := until - time.monotonic()) > 0:
+        time.sleep(min(left, _POLL_S))
 
 
 def _tidy(cfg: Config, last_committed: Any, out: TextIO) -> None:

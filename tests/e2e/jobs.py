@@ -103,6 +103,7 @@ def run_example(tmp: Path, script: str | Path, *, n: int, args: tuple[str, ...] 
     path = Path(script) if Path(script).is_absolute() else REPO / "examples" / script
     cmd = [*FTKIT, "run", "-n", str(n), "--ranks-per-node", str(ranks_per_node),
            "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
+           "--restart-delay", "0",          # relaunch at once: these tests judge, not wait
            *run_args, "--", sys.executable, str(path), *args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, check=False, cwd=tmp,

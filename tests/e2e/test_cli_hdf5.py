@@ -277,7 +277,6 @@ def test_usage_errors(toy_job: Path, tmp_path: Path,
     for argv in (["verify", str(tmp_path / "nope")], ["inspect", str(tmp_path / "nope")],
                  ["verify", str(toy_job), "--step", "4"], ["verify", str(tmp_path)],
                  ["verify"], ["inspect", str(toy_job), "--step", "-1"],
-                 ["export", str(toy_job), "--out", str(tmp_path / "x.pt")],
                  ["export", str(toy_job), "--step", "3", "--out",
                   str(tmp_path / "no-dir" / "x.pt")],
                  ["export", str(toy_job), "--step", "3", "--out", str(tmp_path / "x.pt"),
@@ -286,8 +285,10 @@ def test_usage_errors(toy_job: Path, tmp_path: Path,
         assert rc == 2, (argv, err)
     rc, _, err = _run(capsys, "verify", str(toy_job.parent))
     assert rc == 2 and "job directories e2e" in err
-    rc, _, err = _run(capsys, "export", str(toy_job), "--out", str(tmp_path / "x.pt"))
-    assert "--step is required" in err and "3, 6" in err
+    rc, _, err = _run(capsys, "export", str(toy_job), "--only", "nope", "--out",
+                      str(tmp_path / "x.pt"))
+    assert rc == 1 and "no tensor under 'nope'" in err and "model, optim, rng" in err, err
+    assert not (tmp_path / "x.pt").exists()
     proc = subprocess.run([sys.executable, "-m", "ftkit.cli.main", "verify",
                            str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True,
                           timeout=60, check=False)
@@ -349,6 +350,25 @@ def test_export_pt_loads_into_the_toy_model(toy_job: Path, tmp_path: Path,
         assert torch.equal(model(x), reference(x))
     for key, value in sd.items():
         assert checksum(value.reshape(-1).view(torch.uint8).numpy()) == truth[key]["checksum"]
+
+
+def test_export_only_the_model_newest_step_by_default(toy_job: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """``export JOB --only model`` (no --step): the newest committed step's model, keyed
+    as ``model.state_dict()`` is, so a strict ``load_state_dict`` takes it as it is."""
+    import torch
+    out = tmp_path / "model.pt"
+    rc, stdout, err = _run(capsys, "export", str(toy_job), "--only", "model", "--out", str(out))
+    assert rc == 0 and "step 6:" in stdout, err
+    sd = torch.load(out, weights_only=True)
+    model = _toy_model()
+    assert sorted(sd) == sorted(model.state_dict())
+    model.load_state_dict(sd, strict=True)
+    truth = _h5_truth(toy_job / "step-6")[0]
+    for key, value in sd.items():
+        assert checksum(value.reshape(-1).view(torch.uint8).numpy()) == \
+            truth[f"model/{key}"]["checksum"]
 
 
 def test_export_safetensors(toy_job: Path, tmp_path: Path,

@@ -87,6 +87,7 @@ def test_user_loop_killed_mid_epoch_resumes_bit_exact(tmp_path: Path, workers: i
     attempts = [ln for ln in out.splitlines() if ln.startswith("ftkit run: attempt")]
     assert len(attempts) == 2 and "failed" in attempts[0], attempts
     assert "failed (exit 137: rank 1 killed by SIGKILL on node " in attempts[0], attempts
+    assert attempts[0].endswith("relaunching in 2 s (restart 1 of 2)"), attempts  # default
     starts = [json.loads(ln)["step"] for ln in out.splitlines()
               if ln.startswith('{"event": "start"')]
     assert starts[0] == 0 and 16 < starts[1] <= KILL_AT, starts    # resumed mid-epoch 2

@@ -35,7 +35,13 @@ from ftkit.launch.mpiexec import (
     query_flavor,
     rewrite_python,
 )
-from ftkit.launch.outcome import NO_MARKER_REASON, NOT_RETRIED_STATUS, attempt_line, judge
+from ftkit.launch.outcome import (
+    NO_MARKER_REASON,
+    NOT_RETRIED_STATUS,
+    attempt_line,
+    judge,
+    restart_delay,
+)
 from ftkit.launch.relaunch import RunSpec, done_file_path, resolve_launcher, run_job
 
 FAKE = Path(__file__).parent / "fakes" / "fake_mpiexec.py"
@@ -79,7 +85,8 @@ def attempt_lines(text: str) -> list[str]:
 def run_fake(fake: str, plan: str, *opts: str, cmd: tuple[str, ...] = ("python", "train.py"),
              monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setenv("FAKE_MPIEXEC_PLAN", plan)
-    return main(["run", "-n", "4", "--mpiexec", fake, *opts, "--", *cmd])
+    delay = () if "--restart-delay" in opts else ("--restart-delay", "0")
+    return main(["run", "-n", "4", "--mpiexec", fake, *delay, *opts, "--", *cmd])
 
 
 # ------------------------------------------------------------------- flavour detection
@@ -343,6 +350,22 @@ def test_restarts_exhausted_returns_last_rc(job: Path, fake: str, tmp_path: Path
     assert lines[1].endswith("relaunching (restart 2 of 2)")
     assert lines[2].endswith("no restarts left")
     assert len(invocations(tmp_path)) == 3
+
+
+@pytest.mark.timeout(60)
+def test_relaunches_back_off(job: Path, fake: str, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture) -> None:
+    """Each relaunch waits twice as long as the one before (the line says how long)."""
+    rc = run_fake(fake, "exit:3,exit:4,exit:5", "--max-restarts", "2", "--restart-delay",
+                  "0.05", monkeypatch=monkeypatch)
+    lines = attempt_lines(capsys.readouterr().out)
+    assert rc == 5
+    assert lines[0].endswith("relaunching in 0.05 s (restart 1 of 2)"), lines
+    assert lines[1].endswith("relaunching in 0.1 s (restart 2 of 2)"), lines
+    assert [restart_delay(k, 2.0) for k in (0, 1, 2, 3, 6, 7, 60)] == [
+        0.0, 2.0, 4.0, 8.0, 60.0, 60.0, 60.0]
+    assert restart_delay(3, 0.0) == 0.0
+    assert main(["run", "-n", "2", "--restart-delay", "nan", "--", "true"]) == 2
 
 
 @pytest.mark.timeout(60)
