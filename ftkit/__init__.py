@@ -1,7 +1,7 @@
 """ftkit: fault tolerance for hybrid-parallel training.
 
-Public API: :class:`Checkpointer`, :class:`Topology`, :class:`Config`, :class:`RNGState` and
-the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
+Public API: :class:`Checkpointer`, :class:`Topology`, :class:`Config`, :class:`RNGState`,
+:func:`init_torch_distributed` and the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
 ``import ftkit`` works on a login node without MPI.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "UnrecoverableError",
     "UnsupportedStateError",
     "__version__",
+    "init_torch_distributed",
 ]
 
 
@@ -50,4 +51,7 @@ def __getattr__(name: str) -> Any:
     if name == "Checkpointer":
         from ftkit.checkpointer import Checkpointer
         return Checkpointer
+    if name == "init_torch_distributed":
+        from ftkit.torchdist import init_torch_distributed
+        return init_torch_distributed
     raise AttributeError(f"module 'ftkit' has no attribute {name!r}")

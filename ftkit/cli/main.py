@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -112,6 +113,12 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "time between two checkpoints, and above the restore")
     run.add_argument("--mpiexec", metavar="PATH",
                      help="mpiexec to use (default: next to this Python, then on PATH)")
+    run.add_argument("--launcher-args", metavar="ARGS", default="",
+                     help="more arguments for mpiexec, one string split like a shell does, "
+                          "e.g. \"--hostfile hosts --map-by ppr:4:node --bind-to core\"; "
+                          "when they place or bind ranks, ftkit adds none of its own "
+                          "(otherwise Open MPI gets --oversubscribe --bind-to none, for one "
+                          "small machine)")
     run.add_argument("--fresh", action="store_true",
                      help="start over: attempt 0 deletes the job's committed checkpoints and "
                           "begins at step 0 (FTKIT_START=fresh); its relaunches, and a "
@@ -328,12 +335,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        restart_delay=args.restart_delay,
                        tidy=job.new and not args.keep_local)
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
-                                    spec=spec, cfg=cfg)
+                                    spec=spec, cfg=cfg, extra=_split_args(args.launcher_args))
         print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "
               f"restart(s) (--max-restarts)", file=sys.stderr, flush=True)
         return run_job(spec, cfg, launcher, {**os.environ, "FTKIT_JOB": cfg.job})
     except (ConfigError, LaunchError) as exc:
         return _error("run", exc)
+
+
+def _split_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"--launcher-args {text!r}: {exc}") from exc
 
 
 def _starts_fresh(asked: bool) -> bool:

@@ -38,6 +38,11 @@ _FLAVOR_ARGS: dict[str, tuple[str, ...]] = {
     MPICH: (),
     UNKNOWN: (),
 }
+#: Launcher options that place or bind ranks (Open MPI, MPICH Hydra).
+_PLACEMENT_OPTS = frozenset({"--host", "-host", "-H", "--hostfile", "-hostfile", "--machinefile",
+                             "-machinefile", "-f", "--map-by", "-map-by", "--bind-to",
+                             "-bind-to", "--rankfile", "--oversubscribe", "-oversubscribe",
+                             "--cpus-per-rank", "-ppn", "--ppn", "--npernode", "-npernode"})
 _PYTHON_NAME = re.compile(r"python[0-9.]*t?")
 #: Interpreter options that take a separate argument (``-W error``, ``-X dev``).
 _OPTS_WITH_ARG = frozenset("WX")
@@ -158,16 +163,28 @@ def rewrite_python(cmd: Sequence[str]) -> list[str]:
     return [cmd[0], *opts, "-m", "mpi4py", *program]
 
 
+def places_ranks(args: Sequence[str]) -> bool:
+    """True when launcher arguments decide where ranks go or how they are bound (then ftkit
+    adds no placement options of its own)."""
+    return any(arg.split("=", 1)[0] in _PLACEMENT_OPTS for arg in args)
+
+
 def build_command(n: int, cmd: Sequence[str], flavor: str, mpiexec: str = "mpiexec",
-                  extra: Sequence[str] = ()) -> list[str]:
-    """The full launcher argv: ``mpiexec [flavour options] [extra] -n N CMD...``."""
+                  extra: Sequence[str] = (), user: Sequence[str] = ()) -> list[str]:
+    """The full launcher argv: ``mpiexec [flavour options] [user] [extra] -n N CMD...``.
+
+    ``user``: the arguments given with ``ftkit run --launcher-args``; when they place or
+    bind ranks (:func:`places_ranks`), the flavour's own options (Open MPI:
+    ``--oversubscribe --bind-to none``, for one small machine) are left out.
+    """
     if n < 1:
         raise LaunchError(f"number of ranks must be >= 1, got {n}")
     if not cmd:
         raise LaunchError("no command to launch")
     if flavor not in FLAVORS:
         raise LaunchError(f"unknown MPI flavour {flavor!r}; valid: {', '.join(FLAVORS)}")
-    return [mpiexec, *_FLAVOR_ARGS[flavor], *extra, "-n", str(n), *rewrite_python(cmd)]
+    own = () if places_ranks(user) else _FLAVOR_ARGS[flavor]
+    return [mpiexec, *own, *user, *extra, "-n", str(n), *rewrite_python(cmd)]
 
 
 _RUN_AS_ROOT_VARS = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
@@ -206,18 +223,18 @@ class MpiexecLauncher:
 
     path: str
     flavor: str
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()          # ftkit run --launcher-args
     name: str = "mpiexec"
 
     @classmethod
-    def detect(cls, mpiexec: str | None = None,
-               env: Mapping[str, str] | None = None) -> MpiexecLauncher:
+    def detect(cls, mpiexec: str | None = None, env: Mapping[str, str] | None = None,
+               extra: Sequence[str] = ()) -> MpiexecLauncher:
         """Find ``mpiexec`` (or resolve the one given) and query its flavour.
 
         Called once per ``ftkit run``: when its attempts (launched with ``env``, default
         ``os.environ``) will run Open MPI as root, a WARNING says so here, not per attempt."""
         path = resolve_mpiexec(mpiexec) if mpiexec else find_mpiexec()
-        launcher = cls(path=path, flavor=query_flavor(path))
+        launcher = cls(path=path, flavor=query_flavor(path), extra=tuple(extra))
         added = root_vars_added(os.environ if env is None else env, launcher.flavor)
         if added:
             log.warning("running Open MPI as root: every attempt gets %s (Open MPI refuses "
@@ -227,7 +244,7 @@ class MpiexecLauncher:
 
     def command(self, n: int, cmd: Sequence[str]) -> list[str]:
         """Launcher argv for ``n`` ranks of ``cmd``."""
-        return build_command(n, cmd, self.flavor, self.path, self.extra)
+        return build_command(n, cmd, self.flavor, self.path, user=self.extra)
 
     def environ(self, base: Mapping[str, str]) -> dict[str, str]:
         """Launcher environment derived from ``base``."""

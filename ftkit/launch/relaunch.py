@@ -97,13 +97,14 @@ class Launcher(Protocol):
 
 def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
                      mpiexec: str | None = None, spec: RunSpec | None = None,
-                     cfg: Config | None = None) -> Launcher:
+                     cfg: Config | None = None, extra: Sequence[str] = ()) -> Launcher:
     """Pick the launcher: ``auto`` is the Slurm launcher (:mod:`ftkit.slurm.launcher`)
-    inside an allocation, plain mpiexec elsewhere (or when ``--mpiexec`` names one)."""
+    inside an allocation, plain mpiexec elsewhere (or when ``--mpiexec`` names one).
+    ``extra``: arguments for the launcher (``--launcher-args``)."""
     env = os.environ if env is None else env
     if choice not in LAUNCHERS:
         raise LaunchError(f"unknown launcher {choice!r}; valid: {', '.join(LAUNCHERS)}")
-    mpi = MpiexecLauncher.detect(mpiexec, env)
+    mpi = MpiexecLauncher.detect(mpiexec, env, extra)
     in_allocation = "SLURM_JOB_ID" in env or "SLURM_JOBID" in env
     if choice == "srun" or (choice == "auto" and in_allocation and not mpiexec):
         from ftkit.slurm.env import SlurmEnv

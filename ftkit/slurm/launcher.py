@@ -72,7 +72,7 @@ class SlurmLauncher:
     def command(self, n: int, cmd: Sequence[str]) -> list[str]:
         hosts = ",".join(f"{node}:{self.per_node}" for node in self.slots)
         return build_command(n, cmd, self.mpi.flavor, self.mpi.path,
-                             (*self.mpi.extra, "--host", hosts, "--map-by", "slot"))
+                             ("--host", hosts, "--map-by", "slot"), user=self.mpi.extra)
 
     def environ(self, base: Mapping[str, str]) -> dict[str, str]:
         env = launch_env(base, self.mpi.flavor)

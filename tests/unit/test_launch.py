@@ -32,6 +32,7 @@ from ftkit.launch.mpiexec import (
     detect_flavor,
     find_mpiexec,
     launch_env,
+    places_ranks,
     query_flavor,
     rewrite_python,
 )
@@ -172,6 +173,28 @@ def test_build_command_mpich_adds_nothing(flavor: str) -> None:
 def test_build_command_extra_args_before_n() -> None:
     got = build_command(2, ["./a"], OPENMPI, extra=("--with-ft", "ulfm"))
     assert got[4:] == ["--with-ft", "ulfm", "-n", "2", "./a"]
+
+
+def test_launcher_args_that_place_ranks_replace_ftkits_own() -> None:
+    site = ["--hostfile", "hosts", "--map-by", "ppr:4:node", "--bind-to", "core"]
+    assert build_command(8, ["./a"], OPENMPI, user=site) == ["mpiexec", *site, "-n", "8", "./a"]
+    other = ["--mca", "btl", "tcp,self"]
+    assert build_command(2, ["./a"], OPENMPI, user=other) == [
+        "mpiexec", "--oversubscribe", "--bind-to", "none", *other, "-n", "2", "./a"]
+    assert places_ranks(["--map-by=slot"]) and not places_ranks(["-x", "FOO"])
+
+
+@pytest.mark.timeout(60)
+def test_launcher_args_reach_mpiexec(job: Path, fake: str, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ftkit run --launcher-args`` (the real entry point, a fake mpiexec): split like a
+    shell, before ``-n``; a quote that does not close is a usage error."""
+    rc = run_fake(fake, "ok", "--launcher-args", "-x 'A B' --mca btl tcp,self",
+                  monkeypatch=monkeypatch)
+    assert rc == 0
+    [seen] = invocations(tmp_path)
+    assert seen["argv"][:6] == ["-x", "A B", "--mca", "btl", "tcp,self", "-n"], seen["argv"]
+    assert run_fake(fake, "ok", "--launcher-args", "-x 'A", monkeypatch=monkeypatch) == 2
 
 
 @pytest.mark.parametrize("n, cmd, flavor", [(0, ["a"], MPICH), (2, [], MPICH), (2, ["a"], "lam")])
