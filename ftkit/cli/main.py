@@ -165,6 +165,30 @@ def _add_clean_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(func=_cmd_clean)
 
 
+def _add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit status [JOB] [--json] [--events N]``."""
+    p = sub.add_parser(
+        "status", help="where a job stands: running or not, steps per level, last events",
+        description="Without JOB: every job under $FTKIT_PFS_DIR (most recently active "
+                    "last): whether an ftkit run holds it, its newest PFS step, its last "
+                    "outcome. With JOB: its run id, committed steps with sizes on the PFS and "
+                    "in the node-local directories this host sees, and its last events. Plain "
+                    "file reads. Exit 0; 1: no such job.")
+    p.add_argument("job", metavar="JOB", nargs="?", help="the job id (FTKIT_JOB)")
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.add_argument("--events", type=_non_negative_int, default=5, metavar="N",
+                   help="how many of the last events to show (default 5)")
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from ftkit.cli.status import cmd_status
+    try:
+        return cmd_status(args)
+    except ConfigError as exc:
+        return _error("status", exc)
+
+
 def _add_advise_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit advise --nodes N --mtbf-hours H [...]``."""
     adv = sub.add_parser(
@@ -302,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)
     _add_clean_parser(sub)
+    _add_status_parser(sub)
     _add_advise_parser(sub)
     _add_inspect_parser(sub)
     _add_verify_parser(sub)

@@ -100,3 +100,51 @@ def test_a_launcher_world_that_mpi_does_not_see_is_refused(env: dict[str, str], 
     check_launcher(env, int(next(iter(env.values()))))      # MPI agrees: fine
     check_launcher(env, 3)                                   # MPI's world is trusted
     check_launcher({"WORLD_SIZE": "1", "SLURM_NTASKS": "8"}, 1)   # one process; a batch step
+
+
+def test_status_lists_jobs_and_tells_one_in_detail(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``ftkit status`` on a job tree as ftkit writes it: PFS and node-local committed steps
+    (an uncommitted one is not counted), the run id, the last events, the lock holder."""
+    from ftkit.cli.main import main
+    from ftkit.events import append_event
+    from ftkit.joblock import LOCK_FILE, JobLock, holder_record
+    pfs, local = tmp_path / "pfs", tmp_path / "local"
+    monkeypatch.setenv("FTKIT_PFS_DIR", str(pfs))
+    monkeypatch.setenv("FTKIT_LOCAL_DIR", str(local))
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    for step, committed in ((3, True), (6, True), (9, False)):
+        d = pfs / "j" / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / "node-0.h5").write_bytes(b"x" * 2048)
+        if committed:
+            (d / "COMMITTED").write_text("{}")
+    node = local / "j" / "node-1" / "step-8"
+    node.mkdir(parents=True)
+    (node / "rank-2.ftk").write_bytes(b"y" * 100)
+    (node / "COMMITTED").write_text("{}")
+    (pfs / "j" / "RUN").write_text(json.dumps({"run": "j-run-1", "job": "j"}))
+    events = pfs / "j" / "events.jsonl"
+    for step in range(1, 9):
+        append_event(events, "commit", step=step)
+    append_event(events, "gave-up", status=3, reason="not retried: ConfigError: bad")
+    assert main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("j: not running; newest PFS step 6; gave up: not retried"), out
+    assert main(["status", "j", "--events", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "run id: j-run-1" in out and "committed steps 3 (2.0 KiB), 6 (2.0 KiB)\n" in out
+    assert f"{local / 'j'}/node-1 (this host): committed steps 8 (102 B)" in out, out
+    assert out.count('  commit  {') == 1 and "gave-up" in out, out
+    lock = JobLock(pfs / "j" / LOCK_FILE, "j")
+    lock.acquire(holder_record("ftkit run"), what="test")
+    try:
+        assert main(["status", "j", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        lock.release()
+    assert doc["running"].startswith("ftkit run pid ") and doc["run"] == "j-run-1"
+    assert [s["step"] for s in doc["pfs"]] == [3, 6] and len(doc["events"]) == 5
+    assert main(["status", "nope"]) == 1
+    assert "no job nope" in capsys.readouterr().out
