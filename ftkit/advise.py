@@ -52,6 +52,18 @@ def schemes(nodes: int, ranks_per_node: int, xor_set: int, rs_set: int, rs_parit
     return out
 
 
+def unplaceable(nodes: int, xor_set: int, rs_set: int) -> list[dict[str, str]]:
+    """The redundancy schemes a job on ``nodes`` nodes cannot place, and why (pure)."""
+    out = []
+    if nodes < 2:
+        out.append({"scheme": "partner", "why": "a copy on another node needs >= 2 nodes"})
+    for name, size in (("xor", xor_set), ("rs", rs_set)):
+        if nodes < size:
+            out.append({"scheme": name, "why": f"a set of {size} members on distinct nodes "
+                                               f"needs >= {size} nodes"})
+    return out
+
+
 def survivable_counts(scheme: Scheme) -> list[int]:
     """``counts[k]`` = number of k-node failure sets the scheme survives (exact)."""
     poly = [1]
@@ -134,8 +146,10 @@ def daly(cost_s: float, mtbf_s: float) -> float:
 
 def advise(nodes: int, mtbf_hours: float, *, ranks_per_node: int = 1, xor_set: int = 4,
            rs_set: int = 4, rs_parity: int = 2, max_failures: int = 3,
-           costs: dict[str, float] | None = None) -> dict[str, object]:
-    """Survival table and checkpoint intervals (pure; what ``ftkit advise`` prints)."""
+           costs: dict[str, float] | None = None,
+           cost_sources: dict[str, str] | None = None) -> dict[str, object]:
+    """Survival table and checkpoint intervals (pure; what ``ftkit advise`` prints).
+    ``cost_sources`` says where each level's cost came from (a bench file, ``--cost``)."""
     mtbf_s = mtbf_hours * 3600.0 / nodes          # the job fails when any node fails
     rows = []
     for scheme in schemes(nodes, ranks_per_node, xor_set, rs_set, rs_parity):
@@ -149,7 +163,10 @@ def advise(nodes: int, mtbf_hours: float, *, ranks_per_node: int = 1, xor_set: i
             row.update(cost_s=cost, young_s=young(cost, mtbf_s), daly_s=daly(cost, mtbf_s))
         rows.append(row)
     return {"nodes": nodes, "ranks_per_node": ranks_per_node, "node_mtbf_hours": mtbf_hours,
-            "job_mtbf_s": mtbf_s, "schemes": rows}
+            "job_mtbf_s": mtbf_s, "schemes": rows,
+            "not_possible": unplaceable(nodes, xor_set, rs_set),
+            "costs": {level: {"seconds": cost, "from": (cost_sources or {}).get(level, "given")}
+                      for level, cost in sorted((costs or {}).items())}}
 
 
 def render(report: dict[str, object]) -> str:
@@ -167,4 +184,13 @@ def render(report: dict[str, object]) -> str:
         if "cost_s" in row:
             line += f"{row['cost_s']:>9.3g}s{row['young_s']:>11.0f}s{row['daly_s']:>11.0f}s"
         lines.append(line)
+    for row in report.get("not_possible", []):         # type: ignore[attr-defined]
+        lines.append(f"{row['scheme']:8} not possible here: {row['why']}")
+    costs: dict[str, dict[str, object]] = report.get("costs", {})  # type: ignore[assignment]
+    if costs:
+        lines.append("checkpoint costs used: " + ", ".join(
+            f"{level} {c['seconds']:g} s ({c['from']})" for level, c in costs.items()))
+    else:
+        lines.append("no checkpoint costs given (--measured BENCH.json or --cost "
+                     "LEVEL=SECONDS): the Young/Daly intervals are not computed")
     return "\n".join(lines)

@@ -1,5 +1,7 @@
 """``ftkit inspect`` / ``verify`` / ``export``: the PFS level's HDF5 checkpoints (docs/formats.md).
 
+(``inspect``/``verify`` of node-local steps: :mod:`ftkit.cli.localsteps`.)
+
 They run on a login node: importing this module imports neither mpi4py, torch nor h5py (h5py
 on first use, torch only inside ``export``).
 
@@ -325,12 +327,29 @@ def _timeout(args: argparse.Namespace) -> float:
         raise UsageError(str(exc)) from exc
 
 
+def _node_local(args: argparse.Namespace) -> int | None:
+    """inspect/verify of a node-local tree (:mod:`ftkit.cli.localsteps`); None for others."""
+    from ftkit.cli import localsteps
+    steps = localsteps.local_steps(Path(args.path))
+    if steps is None:
+        return None
+    if args.command == "export":
+        raise UsageError(f"{args.path} holds node-local steps; export reads PFS steps "
+                         f"($FTKIT_PFS_DIR/<job>)")
+    if args.command == "inspect":
+        return localsteps.cmd_inspect_local(args, steps)
+    return localsteps.cmd_verify_local(args, steps)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``args.command`` (inspect/verify/export); returns the exit status: 0 done,
     1 unusable input (corrupt, incomplete, not a regular file, a reader that stalled or
     crashed), 2 usage. Never a traceback: an unexpected error is one line too (its traceback
     at DEBUG level)."""
     try:
+        local = _node_local(args)
+        if local is not None:
+            return local
         args.timeout = _timeout(args)
         h5py_module()               # imported once here, not in every sandboxed child
         return COMMANDS[args.command](args)

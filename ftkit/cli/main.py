@@ -288,16 +288,19 @@ def _cmd_checkpoint_tool(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _costs(args: argparse.Namespace) -> dict[str, float]:
+def _costs(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, str]]:
+    """Each level's checkpoint cost and where it came from (``--measured`` or ``--cost``)."""
     import json
     costs: dict[str, float] = {}
+    sources: dict[str, str] = {}
     if args.measured:
         with open(args.measured) as fh:
-            costs.update({k: float(v) for k, v in json.load(fh)["level_costs_s"].items()})
+            for level, value in json.load(fh)["level_costs_s"].items():
+                costs[level], sources[level] = float(value), f"measured: {args.measured}"
     for item in args.cost:
         level, _, value = item.partition("=")
-        costs[level] = float(value)
-    return costs
+        costs[level], sources[level] = float(value), "--cost"
+    return costs, sources
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
@@ -305,9 +308,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
     from ftkit.advise import advise, render
     try:
+        costs, sources = _costs(args)
         report = advise(args.nodes, args.mtbf_hours, ranks_per_node=args.ranks_per_node,
                         xor_set=args.xor_set, rs_set=args.rs_set, rs_parity=args.rs_parity,
-                        max_failures=args.max_failures, costs=_costs(args))
+                        max_failures=args.max_failures, costs=costs, cost_sources=sources)
     except (OSError, KeyError, ValueError) as exc:
         return _error("advise", exc)
     print(json.dumps(report, indent=1) if args.json else render(report))

@@ -152,6 +152,7 @@ def test_newer_unusable_steps_are_parked_after_a_pfs_restore(ftkit_env):
         ckpt.save(3, small_state(RANK, 3))
         kept = sorted(p.name for p in ftkit_env.node_dir(RANK // 2).iterdir()
                       if p.name.startswith("parked-"))
+        WORLD.Barrier()      # the node leader's save(4) retains before its first collective
         ckpt.save(4, small_state(RANK, 4))        # retention after step 3's commit
         after = sorted(p.name for p in ftkit_env.node_dir(RANK // 2).iterdir()
                        if p.name.startswith("parked-"))

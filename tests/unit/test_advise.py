@@ -78,3 +78,21 @@ def test_cli_table_json_and_measured(tmp_path, capsys) -> None:  # type: ignore[
     assert "P(survive 2)" in out and "partner" in out
     assert main(["advise", "--nodes", "8", "--mtbf-hours", "100", "--measured",
                  str(tmp_path / "missing.json")]) == 2
+
+
+def test_cli_says_what_is_not_possible_and_which_costs_it_used(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"level_costs_s": {"partner": 0.25, "pfs": 9.0}}))
+    assert main(["advise", "--nodes", "3", "--mtbf-hours", "100", "--measured", str(bench),
+                 "--cost", "pfs=4"]) == 0
+    out = capsys.readouterr().out
+    assert "xor      not possible here: a set of 4 members on distinct nodes needs >= 4 " \
+           "nodes" in out and "rs       not possible here" in out, out
+    assert f"checkpoint costs used: partner 0.25 s (measured: {bench}), pfs 4 s (--cost)" in out
+    assert main(["advise", "--nodes", "1", "--mtbf-hours", "100", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [r["scheme"] for r in rep["not_possible"]] == ["partner", "xor", "rs"]
+    assert rep["costs"] == {}
+    assert main(["advise", "--nodes", "8", "--mtbf-hours", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "not possible" not in out and "no checkpoint costs given" in out
