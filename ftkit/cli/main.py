@@ -331,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     _add_clean_parser(sub)
     _add_status_parser(sub)
+    from ftkit.cli.sbatchcmd import add_parser as add_sbatch_parser
+    add_sbatch_parser(sub, _positive_int, _non_negative_int)
     _add_advise_parser(sub)
     _add_inspect_parser(sub)
     _add_verify_parser(sub)

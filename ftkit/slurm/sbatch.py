@@ -38,6 +38,11 @@ class SbatchSpec:
     requeue: bool = True
     max_restarts: int = 3
     partition: str | None = None
+    account: str | None = None
+    gpus_per_node: int | None = None     # --gpus-per-node; GPU ranks: one task per GPU
+    cpus_per_task: int | None = None
+    exclusive: bool = False
+    local_dir: str | None = None         # FTKIT_LOCAL_DIR, e.g. a node-local NVMe mount
     output: str = "ftkit-%x-%j.out"
     env: tuple[tuple[str, str], ...] = ()   # exported; keys are names, values are quoted
     setup: tuple[str, ...] = ()          # shell lines run first, verbatim (module load, ...)
@@ -50,10 +55,14 @@ class SbatchSpec:
                             (self.tasks_per_node >= 1,
                              f"tasks per node must be >= 1, got {self.tasks_per_node}"),
                             (self.signal_seconds >= 0, "signal seconds must be >= 0"),
+                            (self.gpus_per_node is None or self.gpus_per_node >= 1,
+                             f"gpus per node must be >= 1, got {self.gpus_per_node}"),
+                            (self.cpus_per_task is None or self.cpus_per_task >= 1,
+                             f"cpus per task must be >= 1, got {self.cpus_per_task}"),
                             (self.max_restarts >= 0, "max restarts must be >= 0")):
             if not ok:
                 raise LaunchError(f"sbatch: {message}")
-        for key in ("job_name", "time", "output", "partition"):
+        for key in ("job_name", "time", "output", "partition", "account"):
             value = getattr(self, key)
             if value is not None and (not value or any(c.isspace() or not c.isprintable()
                                                        for c in value)):
@@ -76,8 +85,13 @@ def render_sbatch(spec: SbatchSpec) -> str:
             "--open-mode=append", f"--output={spec.output}"]
     if spec.signal_seconds:
         head.append(f"--signal=B:USR1@{spec.signal_seconds}")
-    if spec.partition:
-        head.append(f"--partition={spec.partition}")
+    for key, value in (("partition", spec.partition), ("account", spec.account),
+                       ("gpus-per-node", spec.gpus_per_node),
+                       ("cpus-per-task", spec.cpus_per_task)):
+        if value is not None:
+            head.append(f"--{key}={value}")
+    if spec.exclusive:
+        head.append("--exclusive")
     run = [*spec.ftkit, "run", "--launcher", "auto", "-n", str(ranks), "--spares",
            str(spec.spares), "--max-restarts", str(spec.max_restarts), "--", *spec.command]
     lines = ["#!/bin/bash",
@@ -87,6 +101,8 @@ def render_sbatch(spec: SbatchSpec) -> str:
              "set -euo pipefail",
              'export FTKIT_JOB="${FTKIT_JOB:-$SLURM_JOB_ID}"   # same id across requeues',
              *(f"export {k}={shlex.quote(v)}" for k, v in spec.env),
+             *([f"export FTKIT_LOCAL_DIR={shlex.quote(spec.local_dir)}"]
+               if spec.local_dir else []),
              *spec.setup,
              "# exec: ftkit run itself receives the USR1 of --signal=B:...",
              "exec " + shlex.join(run)]

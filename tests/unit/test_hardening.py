@@ -1,4 +1,4 @@
-"""Hardening of inputs and of the attempt watchdog (issue 12):
+"""Hardening of inputs and of the attempt watchdog:
 
 * sbatch scripts: environment keys and ``#SBATCH`` values cannot inject shell;
 * ``FTKIT_TIMEOUT`` and the numeric keys: finite, in range, of the right type;

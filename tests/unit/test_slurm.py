@@ -312,7 +312,8 @@ def test_render_sbatch() -> None:
 
 @pytest.mark.parametrize("field, value", [("command", ()), ("nodes", 0), ("spares", -1),
                                           ("tasks_per_node", 0), ("signal_seconds", -1),
-                                          ("max_restarts", -1)])
+                                          ("max_restarts", -1), ("gpus_per_node", 0),
+                                          ("cpus_per_task", 0), ("account", "a b")])
 def test_sbatch_spec_rejects(field: str, value: Any) -> None:
     with pytest.raises(LaunchError, match="sbatch"):
         dataclasses.replace(SPEC, **{field: value})
@@ -505,3 +506,29 @@ def test_stale_stop_file_removed_and_passed_on(cfg: Config, tmp_path: Path) -> N
     rc, _, _ = go(cfg, FakeSlurm(tmp_path, [OK]))
     assert rc == 0 and stop.is_absolute()
     assert [(a["stop"], a["stop_exists"]) for a in attempts(tmp_path)] == [(str(stop), False)]
+
+
+def test_ftkit_sbatch_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ftkit sbatch`` (the real entry point): GPU nodes, an account, whole nodes, a
+    node-local NVMe directory; printed, or written executable and valid for bash."""
+    from ftkit.cli.main import main
+    argv = ["sbatch", "--nodes", "2", "--tasks-per-node", "4", "--gpus-per-node", "4",
+            "--cpus-per-task", "8", "--account", "proj1", "--exclusive", "--local-dir",
+            "/local/nvme/ftkit $x", "--pfs-dir", "/lustre/ckpt", "--setup", "module load cuda",
+            "--", "python", "train.py", "--lr", "3e-4"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for d in ("--nodes=3", "--ntasks-per-node=4", "--gpus-per-node=4", "--cpus-per-task=8",
+              "--account=proj1", "--exclusive"):
+        assert f"#SBATCH {d}" in lines, lines
+    assert "export FTKIT_LOCAL_DIR='/local/nvme/ftkit $x'" in lines
+    assert "export FTKIT_PFS_DIR=/lustre/ckpt" in lines and "module load cuda" in lines
+    assert shlex.split(lines[-1])[-4:] == ["python", "train.py", "--lr", "3e-4"]
+    out = tmp_path / "job.sbatch"
+    assert main([*argv[:1], "--out", str(out), *argv[1:]]) == 0
+    assert out.stat().st_mode & 0o111 and "sbatch " + str(out) in capsys.readouterr().out
+    check = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True,
+                           check=False)
+    assert check.returncode == 0, check.stderr
+    assert main(["sbatch", "--nodes", "2", "--job-name", "a b", "--", "x"]) == 2
+    assert "job_name 'a b'" in capsys.readouterr().err
