@@ -74,6 +74,7 @@ OK, BAD, USAGE = 0, 1, 2
 
 from ftkit.cli import sandbox
 from ftkit.cli.export import cmd_export
+from ftkit.cli.fmt import human
 from ftkit.cli.scan import (
     Bad,
     BadInput,
@@ -83,7 +84,6 @@ from ftkit.cli.scan import (
     Target,
     UsageError,
     _compact,
-    _human,
     _progress_enabled,
     h5py_module,
     resolve,
@@ -237,7 +237,7 @@ def _render_step(sc: StepScan) -> None:
             n = len(sc.ranks[same[0]])
             size = sum(e["nbytes"] for e in sc.ranks[same[0]])
             print(f"rank(s) {_compact(same)}: same paths, dtypes and shapes as rank {shown} "
-                  f"({n} tensors, {_human(size)} each; --json lists every rank)")
+                  f"({n} tensors, {human(size)} each; --json lists every rank)")
             same.clear()
 
     for rank, entries in sorted(sc.ranks.items()):
@@ -254,7 +254,7 @@ def _render_step(sc: StepScan) -> None:
         total = sum(e["nbytes"] for e in entries)
         _table(["path", "dtype", "shape", "bytes"], rows, indent="  ", right=(3,),
                title=f"rank {rank}  {Path(info.get('file', '?')).name}  {coords}".rstrip())
-        print(f"  {len(entries)} tensors, {_human(total)}")
+        print(f"  {len(entries)} tensors, {human(total)}")
     flush_same()
     if sc.problems:
         print("problems:")
@@ -295,7 +295,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _render_verify(target: Target, results: list[StepScan], ok: bool) -> None:
     for s in results:
         if not s.problems:
-            print(f"{s.ref.label}: ok ({s.checked} datasets, {_human(s.checked_bytes)})")
+            print(f"{s.ref.label}: ok ({s.checked} datasets, {human(s.checked_bytes)})")
             continue
         print(f"{s.ref.label}: {'BAD' if s.committed else 'INCOMPLETE'}")
         for p in s.problems:

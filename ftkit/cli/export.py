@@ -33,6 +33,7 @@ import xxhash
 
 from ftkit.capture.flatten import numpy_dtype
 from ftkit.cli import sandbox
+from ftkit.cli.fmt import human
 from ftkit.cli.scan import (
     BLOCK_BYTES,
     ExportError,
@@ -40,7 +41,6 @@ from ftkit.cli.scan import (
     StepRef,
     UsageError,
     _compact,
-    _human,
     iter_blocks,
     link_target,
     open_step,
@@ -484,6 +484,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ExportError(f"{ref.label}: {exc}") from exc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"ftkit export: {ref.label}: {done['tensors']} tensors ({_human(done['bytes'])}) "
+    print(f"ftkit export: {ref.label}: {done['tensors']} tensors ({human(done['bytes'])}) "
           f"from {done['source']} -> {out} ({fmt})")
     return OK

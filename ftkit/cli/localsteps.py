@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ftkit.cli.fmt import human
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.shard import Shard
 
@@ -90,15 +91,6 @@ def read_file(path: Path, *, verify: bool) -> dict[str, Any]:
     return out
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
 def _pick(steps: list[LocalStep], step: int | None) -> list[LocalStep]:
     if step is not None:
         return [s for s in steps if s.step == step]
@@ -123,7 +115,7 @@ def cmd_inspect_local(args: argparse.Namespace, steps: list[LocalStep]) -> int:
         return 0
     print(f"node-local steps under {args.path} (as this host sees them)")
     for s, d in zip(steps, doc["steps"]):
-        files = ", ".join(f"{f['file']} ({_human(f['bytes'])}"
+        files = ", ".join(f"{f['file']} ({human(f['bytes'])}"
                           + (f"; {f['error']})" if f["error"] else ")") for f in d["files"])
         print(f"  {s.node}  step {s.step}  {d['state']:<9}  {files or 'no files'}")
     for s in chosen:
@@ -133,7 +125,7 @@ def cmd_inspect_local(args: argparse.Namespace, steps: list[LocalStep]) -> int:
                       f"{f['world']}):")
                 for t in f["tensors"]:
                     print(f"    {t['path']}  {t['dtype']}  {tuple(t['shape'])}  "
-                          f"{_human(t['nbytes'])}")
+                          f"{human(t['nbytes'])}")
     return 0
 
 
@@ -163,7 +155,7 @@ def cmd_verify_local(args: argparse.Namespace, steps: list[LocalStep]) -> int:
         size = sum(f["bytes"] for f in files)
         verdict = "intact" if not bad else f"{len(bad)} bad file(s)"
         print(f"{r['node']} step {r['step']} ({r['state']}): {len(files)} file(s), "
-              f"{_human(size)}: {verdict}")
+              f"{human(size)}: {verdict}")
         for f in bad:
             print(f"  {f['file']}: {f['error']}")
     if not results:

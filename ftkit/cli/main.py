@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ftkit.cli.fmt import human, tree_size
 from ftkit.config import LOG_LEVELS, Config
 from ftkit.errors import ConfigError, LaunchError
 
@@ -434,28 +435,6 @@ _LOCAL_LAYOUT = _Layout(r"node-\d+", "",
                         _Layout(r"(parked-)?step-\d+", rf"LOCK|\.probe-rank-\d+|{_TMP}"))
 
 
-def _tree_size(root: Path) -> int:
-    """Bytes of the files under ``root`` (symbolic links not followed)."""
-    total = 0
-    for folder, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _human(n: int) -> str:
-    """``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def _clean_targets(cfg: Config) -> dict[Path, _Layout]:
     """Directories of ``cfg.job`` that this host sees, and what ftkit puts in each."""
     targets = {Path(os.path.abspath(cfg.job_pfs_dir)): _PFS_LAYOUT}
@@ -538,7 +517,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
               f"{' and '.join(str(p) for p in targets)} do not exist", flush=True)
         return 0
     for path in found:
-        size = _human(_tree_size(path))
+        size = human(tree_size(path))
         if args.dry_run:
             print(f"ftkit clean: would remove {path} ({size})", flush=True)
             continue

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from ftkit.cli.fmt import human
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage import h5files
 from ftkit.storage.hdf5 import COMMITTED, INDEX
@@ -357,7 +358,7 @@ class Progress:
         if self.enabled and now - self._shown >= 0.1:
             self._shown = now
             sys.stderr.write(f"\r{self.label}: {self.count} datasets, "
-                             f"{_human(self.nbytes)}\x1b[K")
+                             f"{human(self.nbytes)}\x1b[K")
             sys.stderr.flush()
 
     def done(self) -> None:
@@ -463,9 +464,3 @@ def _scan_rank(sc: StepScan, rank: int, group: Any, verify: bool, rep: Reporter)
         rep.progress(datasets=1)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover

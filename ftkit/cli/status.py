@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftkit.cli.fmt import human, tree_size
 from ftkit.config import Config
 from ftkit.events import read_events
 from ftkit.joblock import LOCK_FILE, describe, held_by
@@ -24,17 +25,6 @@ from ftkit.recovery.identity import RUN_FILE
 
 _STEP = re.compile(r"^step-(\d+)$")
 OUTCOMES = ("done", "gave-up", "stopped", "requeue", "attempt-end")
-
-
-def _size(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def committed_steps(root: Path) -> list[dict[str, Any]]:
@@ -49,7 +39,7 @@ def committed_steps(root: Path) -> list[dict[str, Any]]:
         m = _STEP.match(entry.name)
         if m and entry.is_dir(follow_symlinks=False) and \
                 os.path.isfile(os.path.join(entry.path, "COMMITTED")):
-            out.append({"step": int(m.group(1)), "bytes": _size(Path(entry.path))})
+            out.append({"step": int(m.group(1)), "bytes": tree_size(Path(entry.path))})
     return sorted(out, key=lambda s: s["step"])
 
 
@@ -91,19 +81,10 @@ def _run_id(path: Path) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
 def _steps(steps: list[dict[str, Any]]) -> str:
     if not steps:
         return "none"
-    return ", ".join(f"{s['step']} ({_human(s['bytes'])})" for s in steps)
+    return ", ".join(f"{s['step']} ({human(s['bytes'])})" for s in steps)
 
 
 def _event_line(e: dict[str, Any]) -> str:
