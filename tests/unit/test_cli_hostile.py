@@ -454,6 +454,11 @@ def test_safetensors_dtypes_and_byte_order(tmp_path: Path) -> None:
     assert got["be"] == ("I32", [5], np.arange(5, dtype="<i4").tobytes())
     sd = torch.load(_pt(tmp_path, step_dir), weights_only=True)
     assert torch.equal(sd["bf"], state["bf"]) and sd["be"].tolist() == list(range(5))
+    # the safetensors library itself reads ftkit's file (the test extra installs it)
+    st = pytest.importorskip("safetensors.torch")
+    loaded = st.load_file(str(out))
+    assert sorted(loaded) == sorted(sd)
+    assert all(torch.equal(loaded[k], sd[k]) and loaded[k].dtype == sd[k].dtype for k in sd)
 
 
 def _pt(tmp_path: Path, step_dir: Path) -> Path:
