@@ -142,7 +142,13 @@ def _number(value: Any) -> float:
 def read_fatal(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The recurring record of the lowest rank in ``directory``, or None (no directory, no
     such record)."""
-    recurring = [r for r in read_records(directory) if r["recurs"]]
+    return first_recurring(read_records(directory))
+
+
+def first_recurring(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The recurring record of the lowest rank among ``records`` (:func:`read_records`), or
+    None (pure)."""
+    recurring = [r for r in records if r["recurs"]]
     return min(recurring, key=lambda r: _number(r.get("rank")), default=None)
 
 

@@ -55,7 +55,7 @@ from ftkit.events import append_event, read_events, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.failures import StderrTee, explain, signame
-from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records
+from ftkit.launch.fatal import FATAL_DIR_ENV, first_recurring, read_records
 from ftkit.launch.jobs import tidy_local
 from ftkit.launch.mpiexec import MpiexecLauncher
 from ftkit.launch.outcome import (
@@ -359,7 +359,8 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     marker.cleanup(done_file)
     fatal, records = None, []
     if fatal_dir is not None:
-        fatal, records = read_fatal(fatal_dir), read_records(fatal_dir)
+        records = read_records(fatal_dir)          # the directory is read once
+        fatal = first_recurring(records)
         shutil.rmtree(fatal_dir, ignore_errors=True)
     failed = explain(tee.found(wait=_TEE_WAIT_S), records)
     if watch.why == "stall":
