@@ -271,12 +271,21 @@ def install_abort_hooks() -> None:
 
     Equivalent to running under ``python -m mpi4py``; installed by :meth:`Topology.create`.
     Local call, idempotent.
+
+    Only the process that installed them acts on them. A process forked from a rank (a
+    DataLoader worker, anything of ``multiprocessing`` with the fork start method) inherits
+    the hooks but is no MPI process: calling ``MPI_Abort`` there hangs it, and the launcher,
+    which waits for the rank's output pipes that the child still holds, hangs with it. Such a
+    child gets Python's own hooks back at the fork, and a hook that still reaches one (a
+    reference taken before the fork, as ``multiprocessing.resource_sharer`` calls
+    ``sys.excepthook``) passes the exception on to them.
     """
     global _hooks_installed
     if _hooks_installed or MPI.COMM_WORLD.Get_size() == 1:
         return
     _hooks_installed = True
-    previous = sys.excepthook
+    previous, previous_thread = sys.excepthook, threading.excepthook
+    owner = os.getpid()
 
     def _abort(kind: str, exc_type: Any, exc: Any, tb: Any) -> None:
         rank = MPI.COMM_WORLD.Get_rank()
@@ -292,14 +301,24 @@ def install_abort_hooks() -> None:
         MPI.COMM_WORLD.Abort(1)
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:
-        if issubclass(exc_type, KeyboardInterrupt):
+        if issubclass(exc_type, KeyboardInterrupt) or os.getpid() != owner:
             previous(exc_type, exc, tb)
             return
         _abort("main thread", exc_type, exc, tb)
 
     def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if os.getpid() != owner:
+            previous_thread(args)
+            return
         _abort(f"thread {args.thread.name if args.thread else '?'}",
                args.exc_type, args.exc_value, args.exc_traceback)
 
+    def in_child() -> None:
+        if sys.excepthook is excepthook:
+            sys.excepthook = previous
+        if threading.excepthook is thread_hook:
+            threading.excepthook = previous_thread
+
     sys.excepthook = excepthook
     threading.excepthook = thread_hook
+    os.register_at_fork(after_in_child=in_child)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,29 @@ srun: error: n3: task 1: Killed
 srun: error: n4: tasks 4-5,7: Exited with exit code 1
 srun: Terminating StepId=12.0
 """
+
+
+def _mpirun(code: str, fatal_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` on two real ranks under mpiexec with ``FTKIT_FATAL_DIR`` set; the
+    whole process group is killed when it outlives ``timeout`` (a hang fails the test)."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    if not mpiexec.is_file():
+        pytest.skip(f"no mpiexec next to {sys.executable} (the test extras install it)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD_", "PMIX_"))}
+    env.pop("FTKIT_LOG_LEVEL", None)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               **{FATAL_DIR_ENV: str(fatal_dir)})
+    argv = [str(mpiexec), "-n", "2", "--oversubscribe", "--bind-to", "none",
+            sys.executable, "-c", code]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the job hung for {timeout} s")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _feed(text: str) -> dict[int, str]:
@@ -166,9 +190,6 @@ def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path, raise
     """Two real ranks under mpiexec: rank 1 raises after the hooks are installed. The
     record names rank 1 and the exception (it stops the relaunch loop only when the error
     would recur); an error that would recur is one line on stderr, the others a traceback."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    if not mpiexec.is_file():
-        pytest.skip(f"no mpiexec next to {sys.executable} (the test extras install it)")
     code = ("from ftkit.comm.dist import install_abort_hooks\n"
             "from ftkit.errors import ConfigError\n"
             "from mpi4py import MPI\n"
@@ -176,14 +197,7 @@ def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path, raise
             "if MPI.COMM_WORLD.Get_rank() == 1:\n"
             f"    raise {raised}\n"
             "MPI.COMM_WORLD.Barrier()\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM_WORLD_", "PMIX_"))}
-    env.pop("FTKIT_LOG_LEVEL", None)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               **{FATAL_DIR_ENV: str(tmp_path)})
-    argv = [str(mpiexec), "-n", "2", "--oversubscribe", "--bind-to", "none",
-            sys.executable, "-c", code]
-    res = subprocess.run(argv, check=False, env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = _mpirun(code, tmp_path, timeout=120)
     assert res.returncode != 0
     [record] = read_records(tmp_path)
     kind = raised.split("(")[0]
@@ -195,3 +209,40 @@ def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path, raise
         assert "Traceback" not in res.stderr, res.stderr
     else:
         assert "Traceback" in res.stderr and "KeyError: 'weights.17'" in res.stderr
+
+
+def test_a_process_forked_from_a_rank_keeps_pythons_own_hooks(tmp_path: Path) -> None:
+    """Two real ranks under mpiexec fork a child each (as a DataLoader worker is forked). In
+    the child an exception reaches both hooks: through a reference to ``sys.excepthook``
+    taken before the fork (as ``multiprocessing.resource_sharer`` calls it when the rank that
+    talks to it dies) and from a thread. Neither records a death nor aborts: the child prints
+    the tracebacks and leaves, and the job ends cleanly.
+
+    Before: the child called ``MPI_Abort`` and hung, holding the rank's output pipes, so the
+    launcher waited for it until ``ftkit run``'s attempt timeout."""
+    code = ("import os, sys, threading\n"
+            "from ftkit.comm.dist import install_abort_hooks\n"
+            "from mpi4py import MPI\n"
+            "install_abort_hooks()\n"
+            "hook = sys.excepthook\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    try:\n"
+            "        raise ConnectionResetError(104, 'Connection reset by peer')\n"
+            "    except ConnectionResetError:\n"
+            "        hook(*sys.exc_info())\n"
+            "    def boom():\n"
+            "        raise KeyError('from a thread of the child')\n"
+            "    t = threading.Thread(target=boom)\n"
+            "    t.start(); t.join()\n"
+            "    sys.stderr.flush()\n"
+            "    os._exit(0)\n"
+            "_, status = os.waitpid(pid, 0)\n"
+            "assert os.waitstatus_to_exitcode(status) == 0, status\n"
+            "MPI.COMM_WORLD.Barrier()\n")
+    res = _mpirun(code, tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert read_records(tmp_path) == []
+    assert "aborting the MPI job" not in res.stderr
+    assert res.stderr.count("ConnectionResetError: [Errno 104]") == 2, res.stderr
+    assert res.stderr.count("KeyError: 'from a thread of the child'") == 2, res.stderr
