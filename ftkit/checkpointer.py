@@ -38,17 +38,17 @@ from ftkit.errors import (
     CheckpointError,
     ConfigError,
     FtkitError,
-    JobLockedError,
     ProtocolTimeout,
 )
 from ftkit.events import append_event, mark_progress
-from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch.fatal import record_death, record_fatal
+from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import ProtocolMismatch, Snapshot, TwoPhase, raise_if_failed
-from ftkit.recovery import identity, pfs_restore
+from ftkit.recovery import pfs_restore
 from ftkit.recovery import restore as recovery
+from ftkit.recovery.claim import JobClaim
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
 from ftkit.storage.pfs import PfsLevel, remove_steps
@@ -96,9 +96,8 @@ class Checkpointer:
                                            rank=topo.rank, node_leader=topo.is_node_leader,
                                            faults=self.faults)
         self._prepare_dirs()
-        self._locks: list[JobLock] = []
-        self._lock_job()
-        self.run_id = self._run_id()
+        self.claim = JobClaim(config, topo, self.dc, self.local.root)
+        self.run_id = self.claim.take()
         self.identity = {"job": config.job, "run": self.run_id, "nodes": list(topo.rank_node),
                          "layout": {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}}
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
@@ -271,17 +270,24 @@ class Checkpointer:
                 if pool is not None:
                     pool.shutdown(wait=True)
         self._report_unflushed()
-        self.dc.barrier("close")
+        tidy = all(self.dc.allgather(self._may_tidy(stopped), "close"))
         done = os.environ.get("FTKIT_DONE_FILE")
         if done and self.topo.rank == 0:
             write_done(Path(done), {"job": self.config.job, "attempt": self.config.attempt,
                                     "last_committed": self.last_committed,
-                                    "time": time.time(), "stopped": stopped})
+                                    "time": time.time(), "stopped": stopped,
+                                    "local_removed": tidy})
         self.levels.free()
         if self.pfs is not None:
             self.pfs.free()
         self.dc.free()
-        self._unlock()
+        self.claim.release(tidy=tidy)
+
+    def _may_tidy(self, stopped: bool) -> bool:
+        """May a successful end remove the node-local copies (``ftkit run`` asked, the job
+        was not stopped early, its newest committed step is on the PFS)? Local."""
+        return (tidy_requested() and not stopped and self.last_committed is not None
+                and self.last_flushed == self.last_committed)
 
     # -------------------------------------------------------------- internals
     @property
@@ -506,60 +512,6 @@ class Checkpointer:
         if failures:
             raise ConfigError("FTKIT_LOCAL_DIR is not usable: " + "; ".join(
                 f"rank {r}: {f}" for r, f in sorted(failures.items())))
-
-    def _lock_job(self) -> None:
-        """One job, one writer (:mod:`ftkit.joblock`): every node leader locks its node's
-        local directory; rank 0 locks the job's PFS directory unless ``ftkit run`` holds it
-        (it passes ``FTKIT_LAUNCH_ID``; a PFS that cannot be locked is only a warning).
-        JobLockedError on every rank when any rank was refused. All ranks call."""
-        failure = None
-        try:
-            if self.topo.is_node_leader:
-                self._lock(self.local.root / LOCK_FILE, f"node {self.topo.node}'s local "
-                           f"directory", f"node leader of node {self.topo.node}")
-            if self.topo.rank == 0 and not os.environ.get(identity.LAUNCH_ID_ENV):
-                try:
-                    self.config.job_pfs_dir.mkdir(parents=True, exist_ok=True)
-                    self._lock(self.config.job_pfs_dir / LOCK_FILE, "the job's PFS directory",
-                               "rank 0")
-                except OSError as exc:
-                    log.warning("cannot lock %s: %s", self.config.job_pfs_dir, exc)
-        except (JobLockedError, OSError) as exc:
-            failure = str(exc)
-        failures = self.dc.agree(failure, "prepare", -1)
-        if failures:
-            self._unlock()
-            first = min(failures)
-            raise JobLockedError(f"rank {first}: {failures[first]}" + (
-                f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""))
-
-    def _lock(self, path: Path, what: str, role: str) -> None:
-        lock = JobLock(path, self.config.job)
-        lock.acquire(holder_record(role), what=what)
-        self._locks.append(lock)
-
-    def _unlock(self) -> None:
-        for lock in self._locks:
-            lock.release()
-        self._locks.clear()
-
-    def _run_id(self) -> str:
-        """This run's identity (see :mod:`ftkit.recovery.identity`): rank 0 reads or makes
-        it, every rank receives it; ConfigError everywhere when it cannot. All ranks call."""
-        got: dict[str, str] = {}
-        if self.topo.rank == 0:
-            try:
-                got["run"] = identity.run_id(
-                    self.config.job_pfs_dir, self.config.job,
-                    fresh=self.config.start == "fresh",
-                    candidate=os.environ.get(identity.LAUNCH_ID_ENV) or None)
-            except (OSError, ValueError) as exc:
-                got["error"] = (f"cannot read or record the run identity under "
-                                f"{self.config.job_pfs_dir}: {describe(exc)}")
-        got = self.dc.bcast(got, "prepare")
-        if "error" in got:
-            raise ConfigError(got["error"])        # recorded for ftkit run by __init__
-        return got["run"]
 
     def _threads_ok(self) -> bool:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:

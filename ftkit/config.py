@@ -243,7 +243,7 @@ _KEYS = {
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
 _RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_FATAL_DIR", "FTKIT_ROOT",
-                 "FTKIT_STOP_FILE", "FTKIT_LAUNCH_ID"}
+                 "FTKIT_STOP_FILE", "FTKIT_LAUNCH_ID", "FTKIT_TIDY_LOCAL"}
 
 
 def _coerce(field: str, raw: Any, where: str) -> Any:

@@ -137,9 +137,9 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "last. Without --resume, FTKIT_JOB or Slurm, every ftkit run starts "
                           "a new job with its own id (printed)")
     run.add_argument("--keep-local", action="store_true",
-                     help="keep the node-local copies of a job this ftkit run started (by "
-                          "default a successful end removes them on this host once its newest "
-                          "step is on the PFS)")
+                     help="keep the job's node-local copies at a successful end (by default "
+                          "every node removes them then, when the newest committed step is on "
+                          "the PFS; a later --resume restores it from there)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                      help="the command every rank runs")
     run.set_defaults(func=_cmd_run)
@@ -365,7 +365,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        stall_timeout=args.stall_timeout,
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"),
                        restart_delay=args.restart_delay,
-                       tidy=job.new and not args.keep_local)
+                       tidy=not args.keep_local)
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg, extra=_split_args(args.launcher_args))
         print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "

@@ -5,17 +5,18 @@ Slurm's ``SLURM_JOB_ID``, or ``job`` in ``ftkit.toml``) names the job to continu
 one, every ``ftkit run`` starts a new job with its own id (printed, and kept by all its
 relaunches), so a second run in the same directory never resumes the first by accident.
 ``ftkit run --resume JOB`` continues JOB; ``--resume`` alone the job whose event log changed
-last. A job that ``ftkit run`` made for itself and that ended well leaves no node-local copies
-behind on this host (:func:`tidy_local`) unless ``--keep-local``. This module imports neither
-mpi4py nor torch.
+last. A job that ended well under ``ftkit run`` leaves no node-local copies behind when its
+newest committed step is on the PFS, unless ``--keep-local`` (the ranks remove them, see
+:mod:`ftkit.recovery.claim`; :func:`tidy_line` says what happened). This module imports
+neither mpi4py nor torch.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import secrets
-import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,13 @@ from ftkit.errors import ConfigError
 
 EVENTS = "events.jsonl"
 NEWEST = ""                 # --resume without a job: the most recently active job
+#: Set to ``1`` by ``ftkit run`` (not ``--keep-local``): a successful end removes node-local copies.
+TIDY_ENV = "FTKIT_TIDY_LOCAL"
+
+
+def tidy_requested(env: Mapping[str, str] | None = None) -> bool:
+    """True when ``ftkit run`` asked the ranks to remove node-local copies at a good end."""
+    return (os.environ if env is None else env).get(TIDY_ENV, "") == "1"
 
 
 def new_job_id(now: float | None = None) -> str:
@@ -86,23 +94,16 @@ def choose_job(cfg: Config, resume: str | None) -> JobChoice:
     return JobChoice(dataclasses.replace(cfg, job=resume), f"job {resume} (continuing it)")
 
 
-def tidy_local(cfg: Config, last_committed: int | None, events: list[dict[str, Any]]) -> str:
-    """After a job ended successfully: remove its node-local copies on this host when its
-    newest committed step is durable on the PFS; keep them otherwise. Returns the line that
-    says which (never raises: a copy that cannot be removed is only reported)."""
-    where = cfg.job_local_dir
-    if where.is_symlink() or not where.is_dir():
+def tidy_line(cfg: Config, record: dict[str, Any]) -> str:
+    """The line ``ftkit run`` prints after a successful end that asked the ranks to remove
+    the node-local copies (:mod:`ftkit.recovery.claim`), from the completion marker
+    ``record``: removed, or kept and why ("" when the job committed nothing)."""
+    step = record.get("last_committed")
+    if not isinstance(step, int) or isinstance(step, bool):
         return ""
-    flushed = {e.get("step") for e in events if e.get("event") == "flush"}
-    if last_committed is None:
-        return ""
-    if last_committed not in flushed:
-        return (f"node-local copies kept in {where}: step {last_committed} is not on the PFS "
-                f"(ftkit run --resume {cfg.job} ... continues from them; ftkit clean "
-                f"{cfg.job} removes them)")
-    try:
-        shutil.rmtree(where)
-    except OSError as exc:
-        return f"cannot remove the node-local copies in {where}: {exc}"
-    return (f"removed the node-local copies in {where} (step {last_committed} is on the PFS; "
-            f"--keep-local keeps them)")
+    if record.get("local_removed"):
+        return (f"removed the node-local copies of job {cfg.job} on every node (step {step} "
+                f"is on the PFS; --keep-local keeps them)")
+    return (f"node-local copies of job {cfg.job} kept under {cfg.local_dir}: step {step} is "
+            f"not on the PFS (ftkit run --resume {cfg.job} ... continues from them; ftkit "
+            f"clean {cfg.job} removes them)")

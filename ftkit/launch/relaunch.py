@@ -51,12 +51,12 @@ from typing import Any, Protocol, TextIO
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import append_event, read_events, restored_step
+from ftkit.events import append_event, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.failures import StderrTee, explain, signame
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_recurring, read_records
-from ftkit.launch.jobs import tidy_local
+from ftkit.launch.jobs import TIDY_ENV, tidy_line
 from ftkit.launch.mpiexec import MpiexecLauncher
 from ftkit.launch.outcome import (
     AttemptResult,
@@ -134,8 +134,8 @@ class RunSpec:
     kill_grace: float = DEFAULT_KILL_GRACE
     fresh: bool = False                  # attempt 0 starts over (FTKIT_START=fresh)
     restart_delay: float = 0.0           # seconds before restart 1, then doubled (the CLI: 2)
-    tidy: bool = False                   # a successful end removes this host's node-local
-    #                                      copies (when the newest step is on the PFS)
+    tidy: bool = False                   # a successful end removes the node-local copies
+    #                                      (when the newest step is on the PFS)
 
     def start(self, attempt: int) -> str:
         """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
@@ -402,6 +402,9 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
     anything runs, when another instance of the job holds it."""
     base_env = dict(os.environ if base_env is None else base_env)
     base_env[LAUNCH_ID_ENV] = new_run_id(cfg.job)      # one per ftkit run, all its attempts
+    base_env.pop(TIDY_ENV, None)
+    if spec.tidy:
+        base_env[TIDY_ENV] = "1"
     lock = JobLock(cfg.job_pfs_dir / LOCK_FILE, cfg.job)
     try:
         cfg.job_pfs_dir.mkdir(parents=True, exist_ok=True)
@@ -448,8 +451,8 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
             record = marker.read_marker(done) if result.ok else {}
             if record.get("stopped"):
                 return _stopped(cfg, launcher, record, out)
-            if result.ok and spec.tidy and isinstance(launcher, MpiexecLauncher):
-                _tidy(cfg, record.get("last_committed"), out)
+            if result.ok and spec.tidy and (line := tidy_line(cfg, record)):
+                print(f"ftkit run: {line}", file=out, flush=True)
             if result.ok or result.interrupted is not None or result.fatal is not None:
                 break
             if recover is not None and attempt < spec.max_restarts:
@@ -466,13 +469,6 @@ def _pause(seconds: float, interrupt: _Interrupt) -> None:
     until = time.monotonic() + seconds
     while interrupt.signum is None and (left := until - time.monotonic()) > 0:
         time.sleep(min(left, _POLL_S))
-
-
-def _tidy(cfg: Config, last_committed: Any, out: TextIO) -> None:
-    step = last_committed if isinstance(last_committed, int) else None
-    line = tidy_local(cfg, step, list(read_events(cfg.events_path)))
-    if line:
-        print(f"ftkit run: {line}", file=out, flush=True)
 
 
 def _fatal_fields(result: AttemptResult) -> dict[str, Any]:

@@ -84,27 +84,30 @@ def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
 def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_node: int = 2,
             max_restarts: int = 2, attempt_timeout: int = 240, timeout: int = 600,
             extra: tuple[str, ...] = (), run_args: tuple[str, ...] = (),
-            **ftkit_env: str) -> Result:
+            keep_local: bool = True, **ftkit_env: str) -> Result:
     """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``).
     ``extra``: more arguments of the toy; ``run_args``: more options of ``ftkit run``."""
     return run_example(tmp, TOY, n=n, args=("--steps", str(steps), "--seed", str(seed), *extra),
                        ranks_per_node=ranks_per_node, max_restarts=max_restarts,
                        attempt_timeout=attempt_timeout, timeout=timeout, run_args=run_args,
-                       env=ftkit_env)
+                       env=ftkit_env, keep_local=keep_local)
 
 
 def run_example(tmp: Path, script: str | Path, *, n: int, args: tuple[str, ...] = (),
                 ranks_per_node: int = 2, max_restarts: int = 0, attempt_timeout: int = 300,
                 timeout: int = 900, run_args: tuple[str, ...] = (),
-                env: dict[str, str] | None = None, **ftkit_env: str) -> Result:
+                env: dict[str, str] | None = None, keep_local: bool = True,
+                **ftkit_env: str) -> Result:
     """``ftkit run -n n [run_args]`` ``script`` (a path, or a name under ``examples/``) with
-    ``args``; ``env`` and ``ftkit_env`` add FTKIT_* variables. Returns the outcome (never
-    hangs past ``timeout``)."""
+    ``args``; ``env`` and ``ftkit_env`` add FTKIT_* variables. ``keep_local``: pass
+    ``--keep-local`` (most tests look at or reuse a finished job's node-local copies).
+    Returns the outcome (never hangs past ``timeout``)."""
     path = Path(script) if Path(script).is_absolute() else REPO / "examples" / script
     cmd = [*FTKIT, "run", "-n", str(n), "--ranks-per-node", str(ranks_per_node),
            "--max-restarts", str(max_restarts), "--attempt-timeout", str(attempt_timeout),
            "--restart-delay", "0",          # relaunch at once: these tests judge, not wait
-           *run_args, "--", sys.executable, str(path), *args]
+           *(("--keep-local",) if keep_local else ()), *run_args,
+           "--", sys.executable, str(path), *args]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, check=False, cwd=tmp,
                           env=job_env(tmp, **{**(env or {}), **ftkit_env}),

@@ -5,6 +5,9 @@
 * Without ``FTKIT_JOB`` every ``ftkit run`` is a new job (its id printed): a second run in the
   same directory starts at step 0 instead of resuming the first; ``--resume`` continues the
   job that was active last, from its newest committed step.
+* A job that ends well leaves no node-local copies behind when its newest committed step is
+  on the PFS (every node removes its own), also a named job; otherwise, or with
+  ``--keep-local``, they stay and the run says so. Continuing the job restores from the PFS.
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.jobs import FTKIT, REPO, job_env
+from tests.e2e.jobs import FTKIT, REPO, job_env, run_toy
 
 TOY = REPO / "examples" / "toy_dp.py"
 
@@ -73,3 +77,28 @@ def test_torchrun_without_an_mpi_world_is_refused(tmp_path: Path) -> None:
         assert (f"ConfigError: this process is one of 2 started by torchrun (WORLD_SIZE=2, "
                 f"RANK={rank}), but MPI sees a world of 1 process") in out, out[-3000:]
     assert "launch with `ftkit run -n 2 -- python ...`" in out
+
+
+@pytest.mark.timeout(600)
+def test_a_finished_job_leaves_no_node_local_copies(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """A named job (FTKIT_JOB=e2e), 4 ranks on 2 nodes: step 6 is on the PFS at the end, so
+    both nodes remove their copies; continuing it restores step 6 from the PFS, bit-exact, and
+    ends at step 9, which is not on the PFS (pfs:4): kept, and said; --keep-local keeps."""
+    res = run_toy(tmp_path, steps=6, max_restarts=0, keep_local=False,
+                  FTKIT_LEVELS="local:1,partner:1,pfs:3")
+    assert res.rc == 0, res.tail()
+    assert ("ftkit run: removed the node-local copies of job e2e on every node (step 6 is on "
+            "the PFS") in res.stdout, res.tail()
+    assert not res.local.exists() and (tmp_path / "local").is_dir()
+    res = run_toy(tmp_path, steps=9, max_restarts=0, keep_local=False,
+                  FTKIT_LEVELS="local:1,partner:1,pfs:4")
+    assert res.rc == 0, res.tail()
+    assert res.starts[0]["step"] == 6 and "from the PFS level" in res.stderr, res.tail()
+    assert res.done["digest"] == reference_digest(4, 9)
+    assert "node-local copies of job e2e kept under" in res.stdout, res.tail()
+    assert "step 9 is not on the PFS" in res.stdout
+    assert sorted(p.name for p in (res.local / "node-0").glob("step-*")) == ["step-8", "step-9"]
+    res = run_toy(tmp_path, steps=12, max_restarts=0, FTKIT_LEVELS="local:1,partner:1,pfs:3")
+    assert res.rc == 0 and res.starts[0]["step"] == 9, res.tail()
+    assert "removed" not in res.stdout and (res.local / "node-1" / "step-12").is_dir()

@@ -180,6 +180,9 @@ def test_node_failure_uses_spare(tmp_path: Path, healthy: None,
     rebuilds = [e for e in job.events() if e["event"] == "rebuild"]
     assert rebuilds and sorted(rebuilds[0]["from_partner"]) == [4, 5], rebuilds
     assert job.records("done")[-1]["digest"] == reference(60), job.text()
+    # step 60 is on the PFS: every node removed its copies at the end (ftkit run's default)
+    assert "removed the node-local copies of job slurm on every node" in job.text()
+    assert list((tmp_path / "local").glob("*/slurm")) == [], list((tmp_path / "local").rglob("*"))
 
 
 @pytest.mark.timeout(900)

@@ -11,7 +11,15 @@ import pytest
 
 from ftkit.config import DEFAULT_JOB, DEFAULT_LEVELS, Config
 from ftkit.errors import ConfigError
-from ftkit.launch.jobs import NEWEST, choose_job, jobs_in, new_job_id, tidy_local
+from ftkit.launch.jobs import (
+    NEWEST,
+    TIDY_ENV,
+    choose_job,
+    jobs_in,
+    new_job_id,
+    tidy_line,
+    tidy_requested,
+)
 
 
 def _job(pfs: Path, name: str, mtime: float) -> None:
@@ -72,19 +80,21 @@ def test_resume_finds_the_job_or_says_which_exist(tmp_path: Path) -> None:
         choose_job(Config(pfs_dir=str(tmp_path / "empty")), NEWEST)
 
 
-def test_tidy_removes_local_copies_only_when_the_newest_step_is_on_the_pfs(tmp_path: Path
-                                                                        ) -> None:
-    cfg = Config(pfs_dir=str(tmp_path / "pfs"), local_dir=str(tmp_path / "local"), job="j")
-    node = cfg.job_local_dir / "node-0"
-    node.mkdir(parents=True)
-    (node / "rank-0.ftk").write_bytes(b"x")
-    flushed = [{"event": "flush", "step": 5}, {"event": "commit", "step": 6}]
-    line = tidy_local(cfg, 6, flushed)
-    assert "kept" in line and "step 6 is not on the PFS" in line and node.exists()
-    assert tidy_local(cfg, None, flushed) == "" and node.exists()
-    line = tidy_local(cfg, 5, flushed)
-    assert line.startswith("removed") and not cfg.job_local_dir.exists()
-    assert tidy_local(cfg, 5, flushed) == ""                      # nothing left to say
+def test_tidy_line_says_what_the_ranks_did_with_the_node_local_copies() -> None:
+    cfg = Config(local_dir="/dev/shm/x", job="j")
+    removed = tidy_line(cfg, {"last_committed": 6, "local_removed": True})
+    assert removed.startswith("removed the node-local copies of job j on every node (step 6 ")
+    kept = tidy_line(cfg, {"last_committed": 7, "local_removed": False})
+    assert "kept under /dev/shm/x: step 7 is not on the PFS" in kept
+    assert "ftkit run --resume j" in kept and "ftkit clean j" in kept
+    assert tidy_line(cfg, {"last_committed": None}) == ""          # nothing committed
+    assert tidy_line(cfg, {}) == ""
+
+
+def test_tidy_is_asked_for_by_ftkit_run_only() -> None:
+    assert tidy_requested({TIDY_ENV: "1"}) and not tidy_requested({})
+    assert not tidy_requested({TIDY_ENV: "0"})
+    Config.load(env={TIDY_ENV: "1"})                  # reserved: not an unknown FTKIT_ key
 
 
 @pytest.mark.parametrize("env,who", [
