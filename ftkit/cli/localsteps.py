@@ -24,8 +24,8 @@ from typing import Any
 from ftkit.cli.fmt import human
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.shard import Shard
+from ftkit.storage.stepnames import step_dirs, step_number
 
-_STEP = re.compile(r"^step-(\d+)$")
 _NODE = re.compile(r"^node-\d+$")
 
 
@@ -46,12 +46,7 @@ class LocalStep:
 
 
 def _steps_of(node_dir: Path) -> list[LocalStep]:
-    out = []
-    for entry in os.scandir(node_dir):
-        m = _STEP.match(entry.name)
-        if m and entry.is_dir(follow_symlinks=False):
-            out.append(LocalStep(node_dir.name, int(m.group(1)), Path(entry.path)))
-    return out
+    return [LocalStep(node_dir.name, step, path) for step, path in step_dirs(node_dir)]
 
 
 def local_steps(path: Path) -> list[LocalStep] | None:
@@ -60,8 +55,9 @@ def local_steps(path: Path) -> list[LocalStep] | None:
     if not path.is_dir() or path.is_symlink():
         return None
     names = [e.name for e in os.scandir(path)]
-    if _STEP.match(path.name) and any(n.endswith(".ftk") for n in names):
-        return [LocalStep(path.parent.name, int(path.name[5:]), path)]
+    step = step_number(path.name)
+    if step is not None and any(n.endswith(".ftk") for n in names):
+        return [LocalStep(path.parent.name, step, path)]
     if _NODE.match(path.name) and not any(n.endswith(".h5") for n in names):
         found = _steps_of(path)
     else:
@@ -133,7 +129,7 @@ def cmd_verify_local(args: argparse.Namespace, steps: list[LocalStep]) -> int:
     """``ftkit verify`` of a node-local tree; 0 intact, 1 a file is bad, 2 no such step."""
     if args.step is not None:
         chosen = [s for s in steps if s.step == args.step]
-    elif _STEP.match(Path(args.path).name):
+    elif step_number(Path(args.path).name) is not None:
         chosen = steps                           # the step PATH names, committed or not
     else:
         chosen = [s for s in steps if s.committed]

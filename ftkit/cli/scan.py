@@ -25,11 +25,11 @@ from ftkit.errors import CorruptCheckpointError
 from ftkit.storage import h5files
 from ftkit.storage.hdf5 import COMMITTED, INDEX
 from ftkit.storage.hdf5 import raw_bytes as _raw
+from ftkit.storage.stepnames import step_dirs, step_number
 
 OK, BAD, USAGE = 0, 1, 2
 COMMIT_RECORD = COMMITTED
 BLOCK_BYTES = 64 << 20          # datasets are read in blocks of at most about this size
-_STEP_DIR = re.compile(r"step-(\d{1,18})")
 _RANK = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
@@ -150,17 +150,7 @@ class Target:
 
 
 def _step_number(directory: Path) -> int | None:
-    m = _STEP_DIR.fullmatch(directory.name)
-    return int(m.group(1)) if m else None
-
-
-def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
-    found = []
-    for p in directory.iterdir():
-        n = _step_number(p)
-        if n is not None and p.is_dir():
-            found.append((n, p))
-    return sorted(found)
+    return step_number(directory.name)
 
 
 def _is_step_dir(directory: Path) -> bool:
@@ -184,13 +174,13 @@ def resolve(text: str) -> Target:
                 raise BadInput(f"{path}: {_kind(path)}, not a regular file or directory")
             d = path.parent
             return Target(path, _job_of(d), [StepRef(_step_number(d), d, path)], True)
-        steps = _step_dirs(path)
+        steps = step_dirs(path)
         if not steps and _is_step_dir(path):
             ref = StepRef(_step_number(path), path, path / INDEX)
             return Target(path, _job_of(path), [ref], True)
         if steps or os.path.lexists(path / "events.jsonl"):
             return Target(path, path, [StepRef(n, d, d / INDEX) for n, d in steps], False)
-        jobs = sorted(p.name for p in path.iterdir() if p.is_dir() and _step_dirs(p))
+        jobs = sorted(p.name for p in path.iterdir() if p.is_dir() and step_dirs(p))
     except PermissionError as exc:
         raise UsageError(f"{path}: {exc.strerror}") from exc
     hint = f"; it holds the job directories {', '.join(jobs)}" if jobs else ""

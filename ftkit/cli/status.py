@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -22,25 +21,16 @@ from ftkit.events import read_events
 from ftkit.joblock import LOCK_FILE, describe, held_by
 from ftkit.launch.jobs import jobs_in
 from ftkit.recovery.identity import RUN_FILE
+from ftkit.storage.stepnames import step_dirs
 
-_STEP = re.compile(r"^step-(\d+)$")
 OUTCOMES = ("done", "gave-up", "stopped", "requeue", "attempt-end")
 
 
 def committed_steps(root: Path) -> list[dict[str, Any]]:
     """``{"step", "bytes"}`` of every ``step-<s>/COMMITTED`` directly under ``root``, oldest
     first ([] when ``root`` does not exist)."""
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return []
-    out = []
-    for entry in entries:
-        m = _STEP.match(entry.name)
-        if m and entry.is_dir(follow_symlinks=False) and \
-                os.path.isfile(os.path.join(entry.path, "COMMITTED")):
-            out.append({"step": int(m.group(1)), "bytes": tree_size(Path(entry.path))})
-    return sorted(out, key=lambda s: s["step"])
+    return [{"step": step, "bytes": tree_size(path)} for step, path in step_dirs(root)
+            if (path / "COMMITTED").is_file()]
 
 
 def local_steps(job_local: Path) -> dict[str, list[dict[str, Any]]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,14 +34,13 @@ from ftkit.storage.private import (
     remove_entry,
 )
 from ftkit.storage.shard import Shard, fsync_dir, write_atomic, write_shard
+from ftkit.storage.stepnames import PARKED, STEP, step_name, step_number
 from ftkit.testing.faults import Faults
 
 if TYPE_CHECKING:
     from ftkit.config import Config
 
 log = logging.getLogger(__name__)
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_PARKED_RE = re.compile(r"^parked-step-(\d+)$")
 COMMITTED = "COMMITTED"
 
 
@@ -99,7 +97,7 @@ class LocalLevel(Level):
 
     # ---------------------------------------------------------------- paths
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step-{step}"
+        return self.root / step_name(step)
 
     def shard_path(self, step: int, rank: int | None = None) -> Path:
         return self.step_dir(step) / f"rank-{self.rank if rank is None else rank}.ftk"
@@ -133,15 +131,16 @@ class LocalLevel(Level):
 
     def steps(self) -> list[int]:
         """Steps with a directory on this node, ascending."""
-        return self._numbered(_STEP_RE)
+        return self._numbered(STEP)
 
-    def _numbered(self, pattern: re.Pattern[str]) -> list[int]:
-        """The numbers of this node's entries whose name matches ``pattern``, ascending."""
+    def _numbered(self, prefix: str) -> list[int]:
+        """The steps of this node's entries named ``<prefix><s>`` (:mod:`.stepnames`),
+        ascending."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        return sorted(int(m.group(1)) for n in names if (m := pattern.match(n)))
+        return sorted(s for n in names if (s := step_number(n, prefix)) is not None)
 
     # -------------------------------------------------------------- protocol
     def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
@@ -225,11 +224,11 @@ class LocalLevel(Level):
 
     # -------------------------------------------------------------- parking
     def parked_dir(self, step: int) -> Path:
-        return self.root / f"parked-step-{step}"
+        return self.root / step_name(step, PARKED)
 
     def parked(self) -> list[int]:
         """Steps parked on this node (committed, not used by the last restore), ascending."""
-        return self._numbered(_PARKED_RE)
+        return self._numbered(PARKED)
 
     def park(self, steps: set[int]) -> None:
         """Node leader: move committed ``steps`` that a restore did not use out of the way

@@ -38,6 +38,7 @@ from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage import hdf5
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, fsync_dir
+from ftkit.storage.stepnames import step_dirs, step_name
 from ftkit.storage.transfer import exchange, recv_buffer
 from ftkit.testing.faults import Faults
 
@@ -64,15 +65,12 @@ class PfsLevel:
         self.node_dc.free()
 
     def step_dir(self, step: int) -> Path:
-        return self.config.job_pfs_dir / f"step-{step}"
+        return self.config.job_pfs_dir / step_name(step)
 
     def committed_steps(self) -> list[int]:
         """PFS steps with a COMMITTED record, newest first (local listing)."""
-        root = self.config.job_pfs_dir
-        if not root.is_dir():
-            return []
-        steps = [int(p.name[5:]) for p in root.glob("step-*")
-                 if p.name[5:].isdigit() and (p / "COMMITTED").is_file()]
+        steps = [s for s, p in step_dirs(self.config.job_pfs_dir)
+                 if (p / "COMMITTED").is_file()]
         return sorted(steps, reverse=True)
 
     def flush(self, step: int) -> float:
@@ -135,9 +133,8 @@ class PfsLevel:
             log.warning("PFS step %d is written again (an older timeline's step %d was "
                         "committed there); its COMMITTED record was removed first",
                         step, step)
-        for d in self.config.job_pfs_dir.glob("step-*"):
-            if d.name != f"step-{step}" and d.is_dir() and not d.is_symlink() \
-                    and not (d / hdf5.COMMITTED).exists():
+        for other, d in step_dirs(self.config.job_pfs_dir):
+            if other != step and not (d / hdf5.COMMITTED).exists():
                 log.warning("removing incomplete PFS step directory %s (left by a flush "
                             "that did not finish)", d)
                 shutil.rmtree(d, ignore_errors=True)
@@ -201,9 +198,9 @@ def remove_steps(job_dir: Path) -> list[int]:
     leaves incomplete steps only. Returns the steps removed. Local; rank 0 only."""
     if not job_dir.is_dir():
         return []
-    steps = sorted(int(p.name[5:]) for p in job_dir.glob("step-*") if p.name[5:].isdigit())
-    for step in steps:
-        hdf5.retract_commit(job_dir / f"step-{step}")
-        shutil.rmtree(job_dir / f"step-{step}", ignore_errors=True)
+    found = step_dirs(job_dir)
+    for _, path in found:
+        hdf5.retract_commit(path)
+        shutil.rmtree(path, ignore_errors=True)
     fsync_dir(job_dir)
-    return steps
+    return [step for step, _ in found]
