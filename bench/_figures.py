@@ -141,3 +141,19 @@ def markdown(figures: Figures) -> str:
         rows.append(f"| `{name}` | {f['value']:.4g} {f['unit']} | "
                     f"{f['ratio']:.3g} × {f['to']} | {goal} |")
     return "\n".join(rows) + "\n"
+
+
+def costs_markdown(levels_part: dict[str, Any]) -> str:
+    """The README's table of what each operation costs a rank at the largest size of the
+    levels part: passes over the state's bytes by kind (counted by ftkit's code paths),
+    CPU seconds, peak extra memory (pure; empty when the part has no costs)."""
+    rows = ["| operation | level | MiB/rank | passes | of which | CPU s | peak extra MiB |",
+            "|---|---|---|---|---|---|---|"]
+    for op in ("save", "restore"):
+        for level, per_size in levels_part.get(f"{op}_costs", {}).items():
+            size, cost = _largest(per_size)
+            kinds = ", ".join(f"{k} {v:.2g}" for k, v in cost["passes"].items()
+                              if k != "total" and v)
+            rows.append(f"| {op} | {level} | {size} | {cost['passes']['total']:.3g} | {kinds} "
+                        f"| {cost['cpu_s']:.3g} | {cost['peak_extra_mib']:.1f} |")
+    return "\n".join(rows) + "\n" if len(rows) > 2 else ""

@@ -63,6 +63,45 @@ def best_of(comm: Any, fn: Callable[[], object], repeat: int) -> float:
     return min(timed(comm, fn) for _ in range(max(1, repeat)))
 
 
+def costs(comm: Any, fn: Callable[[], object], state_bytes: int) -> dict[str, Any]:
+    """What one call of ``fn`` costs a rank, the most any rank paid: ``passes`` over the
+    state's ``state_bytes`` bytes by kind (counted by ftkit's code paths, ``ftkit.passes``),
+    ``cpu_s`` (CPU seconds of the process, every thread, waits inside ``fn`` included) and
+    ``peak_extra_mib`` (peak resident memory during ``fn`` above the resident memory before
+    it; Linux ``VmHWM``, reset first). Every rank calls."""
+    from ftkit import passes
+    comm.Barrier()
+    _reset_peak()
+    rss, before, cpu = _status_kib("VmRSS"), passes.snapshot(), time.process_time()
+    fn()
+    cpu = time.process_time() - cpu
+    moved = passes.passes(passes.since(before), state_bytes)
+    peak = max(0, _status_kib("VmHWM") - rss)
+    every = comm.allgather((moved, cpu, peak))
+    return {"passes": {k: round(max(m[k] for m, _, _ in every), 3) for k in moved},
+            "cpu_s": round(max(c for _, c, _ in every), 4),
+            "peak_extra_mib": round(max(p for _, _, p in every) / 1024, 1)}
+
+
+def _reset_peak() -> None:
+    """Reset this process's peak resident memory (``VmHWM``) to the current one."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _status_kib(key: str) -> int:
+    """A ``/proc/self/status`` figure in KiB (0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 @contextlib.contextmanager
 def scratch(comm: Any, *parents: str) -> Iterator[list[Path]]:
     """One private directory under each of ``parents``, shared by all ranks (rank 0 creates

@@ -89,14 +89,22 @@ def _no_room(level: str, nbytes: int, world: int, settings: dict[str, int]) -> s
 
 
 # ---------------------------------------------------------------------- measuring
-def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int) -> float:
+def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
+          ) -> tuple[float, dict[str, Any]]:
+    """Best seconds of ``repeat`` saves, and the costs of one more (:func:`_mpi.costs`)."""
     from ftkit import Checkpointer
     ckpt = Checkpointer(topo, cfg)
     steps = itertools.count(1)
     try:
-        return _mpi.best_of(topo.comm, lambda: ckpt.save(next(steps), state), repeat)
+        best = _mpi.best_of(topo.comm, lambda: ckpt.save(next(steps), state), repeat)
+        return best, _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
+                                _state_bytes(state))
     finally:
         ckpt.close()
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def _wipe(topo: Any, cfg: Any, nodes: list[int]) -> None:
@@ -107,33 +115,38 @@ def _wipe(topo: Any, cfg: Any, nodes: list[int]) -> None:
     topo.comm.Barrier()
 
 
-def _restore_once(topo: Any, cfg: Any, state: dict[str, Any], lost: list[int]
-                  ) -> tuple[float, int]:
-    """Seconds and step of a fresh Checkpointer's restore after ``lost`` nodes lost their
-    node-local directories (the state is scrambled first)."""
+def _restore_once(topo: Any, cfg: Any, state: dict[str, Any], lost: list[int],
+                  measure: Any = _mpi.timed) -> tuple[Any, int]:
+    """``measure`` (seconds, or :func:`_mpi.costs`) and step of a fresh Checkpointer's
+    restore after ``lost`` nodes lost their node-local directories (the state is scrambled
+    first)."""
     from ftkit import Checkpointer
     _wipe(topo, cfg, lost)
     ckpt = Checkpointer(topo, cfg)
     for t in state.values():
         t.zero_()
     got: list[int] = []
-    seconds = _mpi.timed(topo.comm, lambda: got.append(ckpt.restore(state)))
+    figure = measure(topo.comm, lambda: got.append(ckpt.restore(state)))
     ckpt.close()
-    return seconds, got[0]
+    return figure, got[0]
 
 
-def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int) -> float:
-    """Best seconds of restoring the newest step (``repeat``) after the level's loss, the
-    state checked every time."""
+def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int
+             ) -> tuple[float, dict[str, Any]]:
+    """Best seconds of restoring the newest step after the level's loss (``repeat``
+    times), and the costs of one more; the state checked every time."""
     lost = {"local": [], "pfs": topo.nodes}.get(level, topo.nodes[-1:])
-    best = float("inf")
+    best, want = float("inf"), repeat + 1          # _save saved steps 1 .. repeat + 1
     for _ in range(repeat):
         seconds, step = _restore_once(topo, cfg, state, lost)
-        if step != repeat:
-            raise AssertionError(f"{level}: restore returned step {step}, expected {repeat}")
+        if step != want:
+            raise AssertionError(f"{level}: restore returned step {step}, expected {want}")
         _check(state, topo.rank, f"restore of {level}")
         best = min(best, seconds)
-    return best
+    cost, _ = _restore_once(topo, cfg, state, lost,
+                            lambda comm, fn: _mpi.costs(comm, fn, _state_bytes(state)))
+    _check(state, topo.rank, f"restore of {level}")
+    return best, cost
 
 
 def _config(level: str, size: int, local: str, pfs: str, settings: dict[str, int]) -> Any:
@@ -154,7 +167,8 @@ def _drop(topo: Any, cfg: Any) -> None:
 def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
              settings: dict[str, int]) -> dict[str, dict[str, dict[str, Any]]]:
     """{"save_s"|"restore_s"|"skipped": {level: {size: value}}} (same on every rank)."""
-    out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {}}
+    out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {},
+                                                 "save_costs": {}, "restore_costs": {}}
     for size in args.sizes:
         state, key = _make_state(topo.rank, size << 20), str(size)
         for level in LEVELS:
@@ -164,9 +178,11 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                 out["skipped"].setdefault(level, {})[key] = why
                 continue
             cfg = _config(level, size, local, pfs, settings)
-            out["save_s"].setdefault(level, {})[key] = _save(topo, cfg, state, args.repeat)
-            out["restore_s"].setdefault(level, {})[key] = _restore(topo, cfg, state, level,
-                                                                   args.repeat)
+            for op, (seconds, cost) in (("save", _save(topo, cfg, state, args.repeat)),
+                                        ("restore", _restore(topo, cfg, state, level,
+                                                             args.repeat))):
+                out[f"{op}_s"].setdefault(level, {})[key] = seconds
+                out[f"{op}_costs"].setdefault(level, {})[key] = cost
             _drop(topo, cfg)
         del state
     return out
@@ -188,6 +204,13 @@ def _child(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------- reporting
+def cost_line(cost: dict[str, Any]) -> str:
+    """``3.00 passes (copy 1.00, hash 1.00, write 1.00); CPU 0.012 s; peak +0.0 MiB``."""
+    kinds = ", ".join(f"{k} {v:.2f}" for k, v in cost["passes"].items() if k != "total" and v)
+    return (f"{cost['passes']['total']:.2f} passes ({kinds or 'none'}); CPU "
+            f"{cost['cpu_s']:.3f} s; peak +{cost['peak_extra_mib']:.1f} MiB")
+
+
 def _per_rank_gbs(seconds: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     return {lv: {s: (int(s) << 20) / v / 1e9 for s, v in per.items()}
             for lv, per in seconds.items()}
@@ -214,11 +237,15 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
         lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
                      f"({restore[level][size]:.4f} s)")
+        for op in ("save", "restore"):
+            lines.append(f"costs[{op}, {level}, {size} MiB]: "
+                         f"{cost_line(res[f'{op}_costs'][level][size])}")
     print("\n".join(lines), flush=True)
     _mpi.write_report(args.out, "levels", {
         "ranks": args.ranks, "nodes": nodes, "sizes_mib": args.sizes, "repeat": args.repeat,
         "save_s": save, "save_gb_per_s": save_gbs, "increment_s": inc,
         "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
+        "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
         "settings": {**settings, "ranks_per_node": RANKS_PER_NODE, "async": False},
         "levels": LEVELS, "machine": _mpi.machine(),
         "command": " ".join(["python bench/levels.py",

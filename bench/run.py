@@ -62,10 +62,15 @@ def main() -> None:
     mode.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--only", default="", help="comma-separated parts (default: all)")
-    ap.add_argument("--table", metavar="RUN_JSON", help="print the README table of a run.json")
+    ap.add_argument("--table", metavar="RUN_JSON",
+                    help="print the README tables (figures, costs) of a run.json")
     args = ap.parse_args()
     if args.table:
-        print(_figures.markdown(json.loads(Path(args.table).read_text())["figures"]), end="")
+        run = json.loads(Path(args.table).read_text())
+        print(_figures.markdown(run["figures"]), end="")
+        costs = _figures.costs_markdown(run["parts"].get("levels", {}))
+        print(f"\nWhat one checkpoint costs a rank (the most any rank paid):\n\n{costs}"
+              if costs else "", end="")
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ftkit import passes
 from ftkit.capture import loaders
 from ftkit.capture.flatten import RESERVED, _is_torch_tensor, flatten
 from ftkit.errors import StateMismatchError
@@ -90,11 +91,13 @@ def _merge(live: Any, new: Any, path: str, step: int) -> Any:
         if live.shape == new.shape and live.dtype == new.dtype:
             with _no_grad():
                 live.copy_(new)
+            passes.count("copy", live.element_size() * live.numel())
             return live
         return new
     if isinstance(live, np.ndarray) and isinstance(new, np.ndarray):
         if live.shape == new.shape and live.dtype == new.dtype and live.flags.writeable:
             np.copyto(live, new)
+            passes.count("copy", live.nbytes)
             return live
         return new
     if isinstance(live, dict) and isinstance(new, dict):

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ftkit import passes
 from ftkit.capture.flatten import TensorLeaf, _torch
 from ftkit.errors import FtkitError
 
@@ -192,6 +193,7 @@ class Stager:
                 dst = torch.from_numpy(buf).view(src.dtype).reshape(src.shape)
                 src.record_stream(stream)
                 dst.copy_(src.detach(), non_blocking=True)
+                passes.count("copy", leaf.nbytes)
             done = torch.cuda.Event()
             done.record(stream)
         return done
@@ -222,6 +224,7 @@ def _copy(leaf: TensorLeaf, buf: np.ndarray) -> None:
     src = leaf.source
     if not leaf.nbytes:
         return
+    passes.count("copy", leaf.nbytes)
     if leaf.kind == "numpy":
         np.copyto(buf.view(src.dtype).reshape(src.shape), src)
         return

@@ -15,6 +15,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from ftkit import passes
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
 from ftkit.capture.flatten import DecodeError, leaf_from_bytes, unflatten
 from ftkit.comm.dist import DistComm, describe
@@ -257,6 +258,7 @@ def _read_tree(levels: Levels, faults: Faults, rank: int, step: int) -> dict[str
             tensors = []
             for i, leaf in enumerate(leaves_of(shard.header)):
                 data = shard.raw(i).copy()
+                passes.count("copy", data.nbytes)
                 if checksum(data) != shard.tensors[i]["checksum"]:
                     raise bad(f"checksum mismatch in tensor {leaf.path} while loading")
                 tensors.append(leaf_from_bytes(leaf, data))

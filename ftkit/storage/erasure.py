@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ftkit import passes
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
@@ -196,9 +197,13 @@ class ErasureLevel(Level):
                     send = acc
                     if mine is None:
                         np.copyto(acc, inbox)
+                        passes.count("copy", s)
                     else:
                         np.bitwise_xor(inbox.view(np.uint64), mine.view(np.uint64),
                                        out=acc.view(np.uint64))
+                        passes.count("encode", s)
+                passes.count("send", s)
+                passes.count("recv", s)
                 self.sdc.waitall_bulk([comm.Isend(_words(send), nxt, tag=tag_out),
                                        comm.Irecv(_words(inbox), prv, tag=tag_in)],
                                       "encode", step, 2 * s, [send, inbox, acc, *segs])

@@ -23,6 +23,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from ftkit import passes
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage import h5files
 from ftkit.storage.hdf5 import (
@@ -174,6 +175,7 @@ class StepReader:
             raw = raw_bytes(ds[()])
         except Exception as exc:
             raise bad(f"unreadable data: {type(exc).__name__}: {exc}") from exc
+        passes.count("read", raw.nbytes)
         if raw.nbytes != entry["nbytes"]:
             raise bad(f"read {raw.nbytes} bytes, expected {entry['nbytes']}")
         if verify and (got := checksum(raw)) != entry["checksum"]:

@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ftkit import passes
+
 
 class H5Sink:
     """A seekable binary file over descriptor ``fd`` for h5py's ``fileobj`` driver
@@ -55,6 +57,7 @@ class H5Sink:
     def readinto(self, buf: Any) -> int:
         n = os.preadv(self.fd, [buf], self.pos)
         self.pos += n
+        passes.count("read", n)
         return n
 
     def write(self, buf: Any) -> int:
@@ -67,6 +70,7 @@ class H5Sink:
                 done = 0
                 while done < n:
                     done += os.pwrite(self.fd, view[done:], self.pos + done)
+                passes.count("write", n)
             except OSError as exc:
                 self.error = exc
                 raise

@@ -32,6 +32,7 @@ from typing import Any, Self
 import numpy as np
 import xxhash
 
+from ftkit import passes
 from ftkit.capture.flatten import (
     MAX_DEPTH,
     DecodeError,
@@ -51,8 +52,10 @@ _PREAMBLE = struct.Struct("<8sIIQ")
 
 
 def checksum(buf: Any) -> str:
-    """Checksum string of a buffer (``xxh3-64:<hex>``)."""
-    return "xxh3-64:" + xxhash.xxh3_64_hexdigest(memoryview(buf))
+    """Checksum string of a buffer (``xxh3-64:<hex>``); a ``hash`` pass over it."""
+    view = memoryview(buf)
+    passes.count("hash", view.nbytes)
+    return "xxh3-64:" + xxhash.xxh3_64_hexdigest(view)
 
 
 def _align(n: int) -> int:
@@ -137,6 +140,7 @@ def _write_all(fd: int, data: Any) -> int:
     done = 0
     while done < len(view):
         done += os.write(fd, view[done:])
+    passes.count("write", done)
     return done
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 from mpi4py import MPI
 
+from ftkit import passes
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.shard import (
@@ -170,6 +171,7 @@ class StreamCheck:
             else:
                 k = min(end - pos, len(piece))
                 self._hash.update(piece[:k].data)
+                passes.count("hash", k)
             pos += k
             piece = piece[k:]
         self._close_spans(pos)
@@ -208,6 +210,7 @@ class FileSend:
         self._chunks = chunks(view)
         self.reqs = [comm.Isend([self.size, MPI.INT64_T], self.dest, self.tag)]
         self.reqs += [comm.Isend([c, MPI.BYTE], self.dest, self.tag) for c in self._chunks]
+        passes.count("send", len(view))
 
     def buffers(self) -> list[np.ndarray]:
         return [self.size, *self._chunks]
@@ -291,6 +294,7 @@ class FileRecv:
     def _take(self, buf: np.ndarray) -> None:
         if self.verify is not None and self.verify.tamper is not None:
             self.verify.tamper(buf)
+        passes.count("recv", len(buf))
         if self.error is not None:
             return                                   # draining a refused stream
         try:
@@ -401,4 +405,5 @@ def recv_buffer(dc: DistComm, source: int, phase: str, step: int) -> np.ndarray:
     parts = chunks(buf)
     dc.waitall_bulk([dc.comm.Irecv([c, MPI.BYTE], source, tag) for c in parts], phase, step,
                     len(buf), [buf, *parts])
+    passes.count("recv", len(buf))
     return buf

@@ -73,3 +73,14 @@ def test_readme_table_matches_the_committed_run() -> None:
     table = _figures.markdown(run["figures"])
     assert table in (root / "README.md").read_text(), table
     assert run["mode"] in ("quick", "full") and run["machine"]["cores"] >= 1
+
+
+def test_costs_table_shows_the_largest_size_of_each_operation() -> None:
+    cost = {"passes": {"copy": 1.0, "hash": 1.0, "write": 1.0, "send": 0.0, "total": 3.0},
+            "cpu_s": 0.0123, "peak_extra_mib": 2.5}
+    part = {"save_costs": {"local": {"1": {**cost, "cpu_s": 9.0}, "64": cost}},
+            "restore_costs": {"pfs": {"64": {**cost, "passes": {"read": 1.0, "total": 1.0}}}}}
+    table = _figures.costs_markdown(part).splitlines()
+    assert table[2] == "| save | local | 64 | 3 | copy 1, hash 1, write 1 | 0.0123 | 2.5 |"
+    assert table[3] == "| restore | pfs | 64 | 1 | read 1 | 0.0123 | 2.5 |"
+    assert len(table) == 4 and _figures.costs_markdown({}) == ""
