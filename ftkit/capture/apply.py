@@ -6,6 +6,7 @@ optimizer, stay valid); everything else is replaced in its container.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -83,9 +84,13 @@ def _merge(live: Any, new: Any, path: str, step: int) -> Any:
                 new = dict(new)
                 loaders.load_saved(live, new.pop(RESERVED))
             live.load_state_dict(new)
+            if _is_module(live):       # a module copies every tensor into its own
+                passes.count("copy", _tensor_bytes(new))
         except Exception as exc:
             raise StateMismatchError(step, {}, message=(
                 f"load_state_dict of {path} failed for step {step}: {exc}")) from exc
+        return live
+    if new is live:                   # read in place (capture/inplace.py): nothing to copy
         return live
     if _is_torch_tensor(live) and _is_torch_tensor(new):
         if live.shape == new.shape and live.dtype == new.dtype:
@@ -116,3 +121,19 @@ def _merge(live: Any, new: Any, path: str, step: int) -> Any:
 def _no_grad() -> Any:
     import torch
     return torch.no_grad()
+
+
+def _is_module(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
+def _tensor_bytes(x: Any) -> int:
+    """Bytes of the torch tensors in a (nested) state dict."""
+    if _is_torch_tensor(x):
+        return int(x.element_size() * x.numel())
+    if isinstance(x, dict):
+        return sum(_tensor_bytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in x)
+    return 0

@@ -53,13 +53,16 @@ def _verify(levels: Levels, plan: Plan, world: int) -> None:
     levels.local.check_shard(plan.step, world)
 
 
-def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[str]) -> Report:
+def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[str], *,
+                 data: bool = True) -> Report:
     """What this rank holds intact for ``step`` (own shard, partner copies, parity). *Any*
     failure to read or check one of them makes that one unusable, with a one-line reason
-    (never an exception: every rank must reach the next collective). Local."""
+    (never an exception: every rank must reach the next collective). Without ``data`` the
+    own shard's tensor bytes are not read (its header is checked; the load verifies every
+    byte as it reads it). Local."""
     report: Report = {"own": None}
     try:
-        levels.local.check_shard(step, world)
+        levels.local.check_shard(step, world, data=data)
     except Exception as exc:  # noqa: BLE001 - any failure: the shard is lost
         report["own"] = one_line(exc)
     partner = levels.partner

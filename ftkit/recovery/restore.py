@@ -1,13 +1,17 @@
 """Restore the newest step that is committed and recoverable on every rank (docs/protocol.md).
 
 Phases: ``restore-discover`` (ranks exchange inventories over MPI; for each committed step,
-newest first, every rank verifies what it holds and a :mod:`plan <ftkit.recovery.plan>` says
-whether lost shards can be rebuilt), ``restore-rebuild`` (partner copies / XOR / RS decoding
-over MPI, see :mod:`ftkit.recovery.rebuild`), ``restore-load``. A rank only reads its own
-node's directory; everything from another node travels over MPI.
+newest first, every rank checks what it holds (its own shard by its header; copies and
+parity completely) and a :mod:`plan <ftkit.recovery.plan>` says whether lost shards can be
+rebuilt), ``restore-rebuild`` (partner copies / XOR / RS decoding
+over MPI, see :mod:`ftkit.recovery.rebuild`), ``restore-load`` (each tensor read straight into
+the live state, verified as it lands; a failure looks at the step again, every byte, so
+redundancy can repair it). A rank only reads its own node's directory; everything from
+another node travels over MPI.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -15,9 +19,12 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ftkit import passes
+import numpy as np
+
+from ftkit.capture import loaders
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
 from ftkit.capture.flatten import DecodeError, leaf_from_bytes, unflatten
+from ftkit.capture.inplace import destination, live_leaves
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import (
     CheckpointError,
@@ -29,7 +36,7 @@ from ftkit.recovery import rebuild
 from ftkit.recovery.plan import make_plan, one_line
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import LocalLevel
-from ftkit.storage.shard import checksum, leaves_of
+from ftkit.storage.shard import Shard, leaves_of
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -50,6 +57,9 @@ class Discovery:
     inventories: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
     # every rank's listing of its node's steps and their COMMITTED records
     rank_node: list[int] | None = None              # this job's rank -> node map
+    verify: set[int] = dataclasses.field(default_factory=set)
+    # steps discovery checks every byte of (a load of them failed once); the others only
+    # by their headers: loading verifies every byte as it reads it
 
     def unusable(self) -> dict[int, str]:
         """Every committed step on the node-local levels that cannot be used, with why."""
@@ -107,8 +117,9 @@ def _scan(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None
     intact or can rebuild; record every step before it in ``found.skipped``. All ranks
     call."""
     for step in steps:
-        reports = dc.allgather(rebuild.local_report(levels, step, dc.size, found.levels_of[step]),
-                               "restore-discover", step)
+        report = rebuild.local_report(levels, step, dc.size, found.levels_of[step],
+                                      data=step in found.verify)
+        reports = dc.allgather(report, "restore-discover", step)
         plan = make_plan(step, reports, found.levels_of[step], levels.partners, levels.sets,
                          levels.parity, found.nodes)
         if plan.ok and plan.lost:
@@ -118,7 +129,8 @@ def _scan(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None
             found.step = step
             return
         failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
-        _skip(dc, found, step, failures, str(plan.unrecoverable)
+        named = "".join(f" (rank {r}: {f})" for r, f in list(failures.items())[:4])
+        _skip(dc, found, step, failures, str(plan.unrecoverable) + named
               + _layout_note(found.inventories, step, found.rank_node), emit)
 
 
@@ -208,66 +220,110 @@ def _other_identity(every: list[dict[str, Any]], committed: list[int], world: in
 
 def try_load(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,
              state: MutableMapping[str, Any], emit: Callable[..., None]) -> bool:
-    """Load ``found.step`` into ``state``. Every rank reads and decodes its shard, verifying
-    each tensor's checksum on the bytes it loads; *any* failure of that on any rank makes
-    the step unusable everywhere (one-line reason per rank in ``found.skipped``, the log
-    and a ``restore-skip`` event), discovery goes on with the older committed steps and
-    False is returned: ``found.step`` then names the next usable step (0: none). Nothing is
-    deleted. True once loaded. A live state that does not fit the checkpoint raises the
-    same StateMismatchError everywhere (an older step would not fit either). All ranks
-    call."""
+    """Load ``found.step`` into ``state``. Every rank decodes its shard's header into a
+    tree whose tensors are the live tensors that can take their bytes in place
+    (:mod:`ftkit.capture.inplace`) or new buffers; once every rank's state is agreed to fit
+    (else the same StateMismatchError everywhere: an older step would not fit either), each
+    tensor is read into its destination in one pass, its checksum computed as the bytes
+    land, and the rest is loaded into ``state``. *Any* failure to read, decode or verify on
+    any rank makes the step unusable everywhere (one-line reason per rank in
+    ``found.skipped``, the log and a ``restore-skip`` event), discovery goes on with the
+    older committed steps and False is returned: ``found.step`` then names the next usable
+    step (0: none). Nothing is deleted. True once loaded.
+
+    A checksum that fails while reading can leave some live tensors overwritten: the caller
+    then loads an older step or a PFS step over all of them, or raises (a skipped step makes
+    a restore that finds nothing else an :class:`UnrecoverableError`), so ``state`` is never
+    returned half old, half new. All ranks call."""
     step = found.step
-    tree: dict[str, Any] = {}
-    failure = None
-    try:
-        tree = _read_tree(levels, faults, dc.rank, step)
-    except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
-        failure = one_line(exc)
-        log.warning("rank %d: cannot load step %d: %s", dc.rank, step, failure)
-    failures = dc.agree(failure, "restore-load", step)
-    if failures:
-        reason = f"step {step} could not be loaded: " + "; ".join(
-            f"rank {r}: {f}" for r, f in failures.items())
-        _skip(dc, found, step, failures,
-              reason if len(reason) <= 1000 else reason[:997] + "...", emit)
-        found.step = 0
-        _scan(dc, levels, faults, emit, found, [s for s in found.committed if s < step])
-        return False
-    apply_agreed(dc, state, tree, step)
+    reading: _Reading | None = None
+    with contextlib.ExitStack() as stack:
+        failure = None
+        try:
+            faults.fire("restore-load", step)
+            shard = stack.enter_context(levels.local.open_shard(step))
+            reading = _plan_reading(shard, dc.rank, step, state)
+        except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
+            failure = one_line(exc)
+        if not _agreed_loadable(dc, levels, faults, found, step, failure, emit):
+            return False
+        assert reading is not None
+        check_fits(dc, state, reading.tree, step)     # nothing is written unless all fit
+        try:
+            _read_checked(shard, reading, dc.rank, step)
+        except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
+            failure = one_line(exc)
+        if not _agreed_loadable(dc, levels, faults, found, step, failure, emit):
+            return False
+    load_agreed(dc, state, reading.tree, step)
     return True
 
 
-def load(dc: DistComm, levels: Levels, faults: Faults, step: int,
-         state: MutableMapping[str, Any]) -> None:
-    """Load this rank's shard of ``step`` into ``state`` like :func:`try_load`, but a read
-    or decode failure is the same CheckpointError everywhere instead of a fallback. All
-    ranks call."""
-    tree = dc.run(lambda: _read_tree(levels, faults, dc.rank, step), "restore-load", step)
-    apply_agreed(dc, state, tree, step)
+def _agreed_loadable(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,
+                     step: int, failure: str | None, emit: Callable[..., None]) -> bool:
+    """Agree whether every rank could read ``step``; if not, skip it and rescan the older
+    committed steps (``found.step``: the next usable one, 0 when none). All ranks call."""
+    if failure is not None:
+        log.warning("rank %d: cannot load step %d: %s", dc.rank, step, failure)
+    failures = dc.agree(failure, "restore-load", step)
+    if not failures:
+        return True
+    if step not in found.verify:
+        # discovery read no tensor byte: look at the step again, every byte of every
+        # rank's shard, so a damaged shard is rebuilt from redundancy where the levels
+        # allow (the caller then loads it again), else the step is skipped with the reason
+        found.verify.add(step)
+        found.step = 0
+        _scan(dc, levels, faults, emit, found, [s for s in found.committed if s <= step])
+        return False
+    reason = f"step {step} could not be loaded: " + "; ".join(
+        f"rank {r}: {f}" for r, f in failures.items())
+    _skip(dc, found, step, failures, reason if len(reason) <= 1000 else reason[:997] + "...",
+          emit)
+    found.step = 0
+    _scan(dc, levels, faults, emit, found, [s for s in found.committed if s < step])
+    return False
 
 
-def _read_tree(levels: Levels, faults: Faults, rank: int, step: int) -> dict[str, Any]:
-    """This rank's state tree of ``step``, every tensor's checksum verified on the bytes it
-    loads (copies). CorruptCheckpointError naming the file when a tensor or the tree does
-    not check out or decode. Local."""
-    faults.fire("restore-load", step)
-    with levels.local.open_shard(step) as shard:
-        def bad(reason: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(str(shard.path), reason, rank=rank, step=step)
-        try:
-            tensors = []
-            for i, leaf in enumerate(leaves_of(shard.header)):
-                data = shard.raw(i).copy()
-                passes.count("copy", data.nbytes)
-                if checksum(data) != shard.tensors[i]["checksum"]:
-                    raise bad(f"checksum mismatch in tensor {leaf.path} while loading")
-                tensors.append(leaf_from_bytes(leaf, data))
-            tree = unflatten(shard.header["tree"], tensors)
-        except DecodeError as exc:
-            raise bad(str(exc)) from None
-        if not isinstance(tree, dict):
-            raise bad(f"the state root is a {type(tree).__name__}, not a dict")
-    return tree
+@dataclasses.dataclass
+class _Reading:
+    """Where each tensor of a shard goes (``dests``: live tensors' bytes or new buffers)
+    and the state tree over them."""
+
+    dests: list[np.ndarray]
+    tree: dict[str, Any]
+
+
+def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> _Reading:
+    """The destinations of ``shard``'s tensors (:func:`ftkit.capture.inplace.destination`)
+    and the tree over them, nothing read yet. CorruptCheckpointError naming the file when
+    the tree does not decode. Local."""
+    live = live_leaves(state, loaders.extra)
+    dests, tensors = [], []
+    try:
+        for i, leaf in enumerate(leaves_of(shard.header)):
+            dest, value = destination(leaf, live[i] if i < len(live) else None)
+            dests.append(dest)
+            tensors.append(value if value is not None else leaf_from_bytes(leaf, dest))
+        tree = unflatten(shard.header["tree"], tensors)
+    except DecodeError as exc:
+        raise CorruptCheckpointError(str(shard.path), str(exc), rank=rank, step=step) \
+            from None
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(str(shard.path), f"the state root is a "
+                                     f"{type(tree).__name__}, not a dict", rank=rank, step=step)
+    return _Reading(dests, tree)
+
+
+def _read_checked(shard: Shard, reading: _Reading, rank: int, step: int) -> None:
+    """Read every tensor of ``shard`` into its destination, each checked against its
+    checksum on the bytes read (:meth:`Shard.read_into`). CorruptCheckpointError naming the
+    file and the tensor on a mismatch. Local."""
+    for i, dest in enumerate(reading.dests):
+        if not shard.read_into(i, dest):
+            raise CorruptCheckpointError(
+                str(shard.path), f"checksum mismatch in tensor {shard.tensors[i]['path']} "
+                f"while loading", rank=rank, step=step)
 
 
 def apply_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, Any],
@@ -275,27 +331,46 @@ def apply_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, 
     """Check the restored ``tree`` against the live ``state`` (structure: names, shapes,
     dtypes) on every rank, then load it. Raises the same StateMismatchError everywhere when
     any rank's state differs, the same CheckpointError when loading fails. All ranks call."""
+    check_fits(dc, state, tree, step)
+    load_agreed(dc, state, tree, step)
+
+
+def check_fits(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, Any],
+               step: int) -> None:
+    """The same StateMismatchError on every rank when any rank's live ``state`` differs in
+    structure (names, shapes, dtypes) from its ``tree``. All ranks call."""
     try:
         diffs = structure_diff(state, tree)
     except Exception as exc:  # noqa: BLE001 - agreed below, like any difference
         diffs = [f"cannot compare with the checkpoint: {one_line(exc)}"]
     mismatch = dc.agree(f"state differs from the checkpoint: {mismatch_text(diffs)}"
                         if diffs else None, "restore-load", step)
-    if not mismatch:          # nothing is loaded anywhere unless every rank's state fits
-        failure, refused = None, False
-        try:
-            load_into(state, tree, step)
-        except StateMismatchError as exc:
-            failure, refused = str(exc), True
-        except Exception as exc:  # noqa: BLE001 - agreed below
-            failure = describe(exc)
-        got = dc.allgather([failure, refused], "restore-load", step)
-        failures = {r: f for r, (f, _) in enumerate(got) if f is not None}
-        if failures and not any(x for _, x in got):
-            raise CheckpointError(step, failures, message=f"phase 'restore-load' of step "
-                                                          f"{step} failed")
-        mismatch = failures
     if mismatch:
-        raise StateMismatchError(step, mismatch, message=(
-            f"the state passed to restore does not match the checkpoint of step {step} "
-            f"(another model or configuration?); nothing was deleted"))
+        raise _mismatch(step, mismatch)
+
+
+def load_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, Any],
+                step: int) -> None:
+    """Load ``tree`` into ``state`` on every rank (:func:`load_into`); the same
+    StateMismatchError everywhere when an object refuses it, the same CheckpointError when
+    loading fails otherwise. All ranks call."""
+    failure, refused = None, False
+    try:
+        load_into(state, tree, step)
+    except StateMismatchError as exc:
+        failure, refused = str(exc), True
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        failure = describe(exc)
+    got = dc.allgather([failure, refused], "restore-load", step)
+    failures = {r: f for r, (f, _) in enumerate(got) if f is not None}
+    if failures and not any(x for _, x in got):
+        raise CheckpointError(step, failures, message=f"phase 'restore-load' of step "
+                                                      f"{step} failed")
+    if failures:
+        raise _mismatch(step, failures)
+
+
+def _mismatch(step: int, mismatch: dict[int, str]) -> StateMismatchError:
+    return StateMismatchError(step, mismatch, message=(
+        f"the state passed to restore does not match the checkpoint of step {step} "
+        f"(another model or configuration?); nothing was deleted"))

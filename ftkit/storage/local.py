@@ -270,10 +270,11 @@ class LocalLevel(Level):
                                          else why, rank=self.rank, step=step, level=self.name)
         return path
 
-    def check_shard(self, step: int, world: int) -> None:
-        """Verify this rank's shard of ``step`` completely (CorruptCheckpointError). Local."""
+    def check_shard(self, step: int, world: int, *, data: bool = True) -> None:
+        """Verify this rank's shard of ``step`` (CorruptCheckpointError): its header, and
+        with ``data`` every tensor's checksum (:meth:`Shard.check`). Local."""
         Shard.check(self._existing(step), rank=self.rank, step=step, world=world,
-                    level=self.name)
+                    level=self.name, data=data)
 
     def open_shard(self, step: int) -> Shard:
         return Shard.open(self._existing(step), rank=self.rank, step=step, level=self.name)

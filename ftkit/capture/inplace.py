@@ -1,0 +1,69 @@
+"""Where a restored tensor's bytes land: straight in the live tensor's memory when it can
+take them, else in a new buffer.
+
+A restore that reads a checkpoint into new memory and then copies it into the live state
+touches every byte twice, and the new memory costs a page fault per page on first touch.
+So the restore reads each saved tensor directly into its live counterpart when there is
+one that can take the bytes as they are: the leaf at the same position of the live state
+flattened as the save flattened it, with the same path, the same kind,
+dtype and shape, in contiguous, writable CPU memory (a torch tensor that is not an
+inference tensor, or a NumPy array that holds no Python objects). Anything else (a GPU
+tensor, a tensor the state does not have yet, a strided view) gets a new buffer and is
+loaded as before (:func:`ftkit.capture.apply.load_into`).
+
+Writing through a NumPy view does not bump a torch tensor's version counter; restore runs
+before training resumes, and ``load_into`` then hands the very same tensors back to their
+owners (``load_state_dict``), so nothing observes the difference. Local, pure apart from
+the flattening of the live state (which calls ``state_dict()`` on its objects).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ftkit.capture.flatten import Extra, TensorLeaf, flatten
+
+
+def live_leaves(state: Any, extra: Extra | None = None) -> list[TensorLeaf]:
+    """The tensor leaves of the live ``state`` in tree order, flattened as a save flattens
+    it (``extra``: the same as the save's), so leaf i is the live counterpart of a saved
+    shard's tensor i when the structures agree ([] when it cannot be flattened: then nothing
+    is read in place)."""
+    try:
+        return flatten(state, extra)[1]
+    except Exception:  # noqa: BLE001 - in place is an optimisation; the load checks the rest
+        return []
+
+
+def destination(saved: TensorLeaf, live: TensorLeaf | None) -> tuple[np.ndarray, Any]:
+    """Where ``saved``'s bytes go: ``(the live tensor's bytes as a flat writable uint8 view,
+    the live tensor)`` when ``live`` (the leaf at the same position) is its counterpart and
+    can take them, else ``(a new uint8 buffer, None)``. Paths are compared too, but they do
+    not identify a leaf alone (``{"a/b": x}`` and ``{"a": {"b": y}}`` print alike)."""
+    if live is not None and (live.path, live.kind, live.dtype, tuple(live.shape),
+                             live.nbytes) == (saved.path, saved.kind, saved.dtype,
+                                              tuple(saved.shape), saved.nbytes) \
+            and saved.nbytes:
+        view = _bytes_of(live.source)
+        if view is not None and view.nbytes == saved.nbytes:
+            return view, live.source
+    return np.empty(saved.nbytes, dtype=np.uint8), None
+
+
+def _bytes_of(x: Any) -> np.ndarray | None:
+    """A flat writable uint8 view of the memory of ``x`` (None when it has none we may
+    write: GPU, strided, read-only, inference, objects)."""
+    if isinstance(x, np.ndarray):
+        ok = x.flags.c_contiguous and x.flags.writeable and not x.dtype.hasobject
+        return x.reshape(-1).view(np.uint8) if ok else None
+    try:
+        if x.device.type != "cpu" or not x.is_contiguous() or x.is_inference() \
+                or x.is_sparse or x.is_quantized or x.is_conj() or x.is_neg() \
+                or x.dim() == 0:
+            return None
+        import torch
+        view: np.ndarray = x.detach().reshape(-1).view(torch.uint8).numpy()
+    except Exception:  # noqa: BLE001 - any tensor torch cannot show as bytes: a new buffer
+        return None
+    return view if view.flags.writeable else None
