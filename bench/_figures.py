@@ -12,6 +12,9 @@ Figures = dict[str, dict[str, Any]]
 LEVEL_BOUND = {"local": ("tmpfs_write", 0.8), "partner": ("p2p_same_node", 0.7),
                "xor": ("p2p_same_node", 0.7), "rs": ("p2p_same_node", None),
                "pfs": ("disk_write_fsync", None)}
+#: a whole node-local restore (new Checkpointer, every byte verified) against a memcpy of
+#: the same bytes per rank
+RESTORE_BOUND = {"local": ("memcpy", 0.4)}
 
 
 def _fig(value: float, unit: str, to: str | None = None, base: float | None = None,
@@ -46,7 +49,8 @@ def levels(part: dict[str, Any], bound: dict[str, float]) -> Figures:
         out[f"save[{level}, {size} MiB]"] = _fig(value, "GB/s", to, bound.get(to or ""), goal)
     for level, per_size in part["restore_gb_per_s"].items():
         size, value = _largest(per_size)
-        out[f"restore[{level}, {size} MiB]"] = _fig(value, "GB/s")
+        to, goal = RESTORE_BOUND.get(level, (None, None))
+        out[f"restore[{level}, {size} MiB]"] = _fig(value, "GB/s", to, bound.get(to or ""), goal)
     restore = part["restore_s"]
     if "pfs" in restore:
         size, pfs = _largest(restore["pfs"])

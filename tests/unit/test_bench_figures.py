@@ -32,6 +32,10 @@ def test_level_ratios_use_the_increment_over_local_and_the_matching_bound() -> N
     assert partner["value"] == pytest.approx(2.0)            # from the increment, not 0.9
     assert partner["ratio"] == pytest.approx(0.5) and partner["met"] is False   # goal 0.7
     assert figs["save[xor, 64 MiB]"]["ratio"] == pytest.approx(0.9)
+    restore = figs["restore[local, 64 MiB]"]          # a whole restore against memcpy
+    assert restore["to"] == "memcpy" and restore["ratio"] == pytest.approx(0.13)
+    assert restore["goal"] == 0.4 and restore["met"] is False
+    assert figs["restore[pfs, 64 MiB]"]["ratio"] is None
     speed = figs["restore speed-up[local vs pfs, 64 MiB]"]
     assert speed["value"] == pytest.approx(20.0) and speed["met"] is True
     assert figs["restore speed-up[partner vs pfs, 64 MiB]"]["value"] == pytest.approx(10.0)
