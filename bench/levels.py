@@ -103,6 +103,13 @@ def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
         ckpt.close()
 
 
+def _spread(values: list[float]) -> dict[str, Any]:
+    """Median, min and max of per-round figures, and the rounds."""
+    ordered = sorted(values)
+    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1],
+            "rounds": [round(v, 4) for v in values]}
+
+
 def _state_bytes(state: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -132,21 +139,29 @@ def _restore_once(topo: Any, cfg: Any, state: dict[str, Any], lost: list[int],
 
 
 def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int
-             ) -> tuple[float, dict[str, Any]]:
+             ) -> tuple[float, dict[str, Any], list[float]]:
     """Best seconds of restoring the newest step after the level's loss (``repeat``
-    times), and the costs of one more; the state checked every time."""
+    rounds), the costs of one more, and per round the ratio memcpy / restore, a memcpy of
+    the same bytes on the same ranks timed just before each restore (alternating); the state
+    checked every time."""
+    import numpy as np
     lost = {"local": [], "pfs": topo.nodes}.get(level, topo.nodes[-1:])
     best, want = float("inf"), repeat + 1          # _save saved steps 1 .. repeat + 1
+    src = np.ones(_state_bytes(state), dtype=np.uint8)
+    dst = np.zeros_like(src)                       # both touched: no first-touch faults
+    ratios = []
     for _ in range(repeat):
+        copy = _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
         seconds, step = _restore_once(topo, cfg, state, lost)
         if step != want:
             raise AssertionError(f"{level}: restore returned step {step}, expected {want}")
         _check(state, topo.rank, f"restore of {level}")
         best = min(best, seconds)
+        ratios.append(copy / seconds)
     cost, _ = _restore_once(topo, cfg, state, lost,
                             lambda comm, fn: _mpi.costs(comm, fn, _state_bytes(state)))
     _check(state, topo.rank, f"restore of {level}")
-    return best, cost
+    return best, cost, ratios
 
 
 def _config(level: str, size: int, local: str, pfs: str, settings: dict[str, int]) -> Any:
@@ -168,7 +183,8 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
              settings: dict[str, int]) -> dict[str, dict[str, dict[str, Any]]]:
     """{"save_s"|"restore_s"|"skipped": {level: {size: value}}} (same on every rank)."""
     out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {},
-                                                 "save_costs": {}, "restore_costs": {}}
+                                                 "save_costs": {}, "restore_costs": {},
+                                                 "restore_vs_memcpy": {}}
     for size in args.sizes:
         state, key = _make_state(topo.rank, size << 20), str(size)
         for level in LEVELS:
@@ -178,11 +194,12 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                 out["skipped"].setdefault(level, {})[key] = why
                 continue
             cfg = _config(level, size, local, pfs, settings)
-            for op, (seconds, cost) in (("save", _save(topo, cfg, state, args.repeat)),
-                                        ("restore", _restore(topo, cfg, state, level,
-                                                             args.repeat))):
+            saved = _save(topo, cfg, state, args.repeat)
+            *restored, ratios = _restore(topo, cfg, state, level, args.repeat)
+            for op, (seconds, cost) in (("save", saved), ("restore", restored)):
                 out[f"{op}_s"].setdefault(level, {})[key] = seconds
                 out[f"{op}_costs"].setdefault(level, {})[key] = cost
+            out["restore_vs_memcpy"].setdefault(level, {})[key] = _spread(ratios)
             _drop(topo, cfg)
         del state
     return out
@@ -237,6 +254,9 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
         lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
                      f"({restore[level][size]:.4f} s)")
+        vs = res["restore_vs_memcpy"][level][size]
+        lines.append(f"restore/memcpy[{level}, {size} MiB]: {vs['median']:.3f} "
+                     f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
         for op in ("save", "restore"):
             lines.append(f"costs[{op}, {level}, {size} MiB]: "
                          f"{cost_line(res[f'{op}_costs'][level][size])}")
@@ -246,6 +266,7 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
         "save_s": save, "save_gb_per_s": save_gbs, "increment_s": inc,
         "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
         "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
+        "restore_vs_memcpy": res["restore_vs_memcpy"],
         "settings": {**settings, "ranks_per_node": RANKS_PER_NODE, "async": False},
         "levels": LEVELS, "machine": _mpi.machine(),
         "command": " ".join(["python bench/levels.py",
