@@ -75,7 +75,10 @@ def test_readme_table_matches_the_committed_run() -> None:
     root = Path(__file__).resolve().parents[2]
     run = json.loads((root / "bench" / "results" / "run.json").read_text())
     table = _figures.markdown(run["figures"])
-    assert table in (root / "README.md").read_text(), table
+    readme = (root / "README.md").read_text()
+    assert table in readme, table
+    costs = _figures.costs_markdown(run["parts"]["levels"])
+    assert costs and costs in readme, costs
     assert run["mode"] in ("quick", "full") and run["machine"]["cores"] >= 1
 
 
