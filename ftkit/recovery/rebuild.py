@@ -57,9 +57,10 @@ def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[st
                  data: bool = True) -> Report:
     """What this rank holds intact for ``step`` (own shard, partner copies, parity). *Any*
     failure to read or check one of them makes that one unusable, with a one-line reason
-    (never an exception: every rank must reach the next collective). Without ``data`` the
-    own shard's tensor bytes are not read (its header is checked; the load verifies every
-    byte as it reads it). Local."""
+    (never an exception: every rank must reach the next collective). Without ``data`` no
+    tensor byte is read, only headers: the load verifies the own shard's bytes as it reads
+    them, a rebuild verifies the copies and parity it uses (streamed copies chunk by chunk,
+    every rebuilt shard completely). Local."""
     report: Report = {"own": None}
     try:
         levels.local.check_shard(step, world, data=data)
@@ -68,14 +69,14 @@ def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[st
     partner = levels.partner
     if partner is not None and "partner" in step_levels:
         try:
-            held = partner.held(step, world)
+            held = partner.held(step, world, data=data)
         except Exception as exc:  # noqa: BLE001 - any failure: the copies are unusable
             held = {q: one_line(exc) for q in partner.sources}
         report["partner"] = {str(q): why for q, why in held.items()}
     for name, level in levels.erasure.items():
         if name in step_levels:
             try:
-                report[name] = level.held(step)
+                report[name] = level.held(step, data=data)
             except Exception as exc:  # noqa: BLE001 - any failure: the parity is unusable
                 report[name] = {"error": one_line(exc)}
     return report

@@ -58,8 +58,8 @@ class Discovery:
     # every rank's listing of its node's steps and their COMMITTED records
     rank_node: list[int] | None = None              # this job's rank -> node map
     verify: set[int] = dataclasses.field(default_factory=set)
-    # steps discovery checks every byte of (a load of them failed once); the others only
-    # by their headers: loading verifies every byte as it reads it
+    # steps discovery checks every byte of (a load or a rebuild of them failed once); the
+    # others only by their headers: loading and rebuilding verify the bytes they use
 
     def unusable(self) -> dict[int, str]:
         """Every committed step on the node-local levels that cannot be used, with why."""
@@ -117,6 +117,23 @@ def _scan(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None
     intact or can rebuild; record every step before it in ``found.skipped``. All ranks
     call."""
     for step in steps:
+        plan, reports = _plan_step(dc, levels, faults, emit, found, step)
+        if plan.ok:
+            found.step = step
+            return
+        failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
+        named = "".join(f" (rank {r}: {f})" for r, f in list(failures.items())[:4])
+        _skip(dc, found, step, failures, str(plan.unrecoverable) + named
+              + _layout_note(found.inventories, step, found.rank_node), emit)
+
+
+def _plan_step(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None],
+               found: Discovery, step: int) -> tuple[Any, list[Any]]:
+    """Gather every rank's report of ``step``, plan, and rebuild what is lost; a rebuild
+    that fails (a copy or parity damaged: discovery read headers only) makes discovery look
+    at the step again with every byte, once. Returns the plan and the reports. All ranks
+    call."""
+    while True:
         report = rebuild.local_report(levels, step, dc.size, found.levels_of[step],
                                       data=step in found.verify)
         reports = dc.allgather(report, "restore-discover", step)
@@ -125,13 +142,13 @@ def _scan(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None
         if plan.ok and plan.lost:
             plan.unrecoverable = _try_rebuild(dc, levels, faults, plan, reports,
                                               found.levels_of[step], emit, found.nodes)
-        if plan.ok:
-            found.step = step
-            return
-        failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
-        named = "".join(f" (rank {r}: {f})" for r, f in list(failures.items())[:4])
-        _skip(dc, found, step, failures, str(plan.unrecoverable) + named
-              + _layout_note(found.inventories, step, found.rank_node), emit)
+            if not plan.ok and step not in found.verify:
+                if dc.rank == 0:
+                    log.warning("restore: %s; looking at step %d again, every byte",
+                                plan.unrecoverable, step)
+                found.verify.add(step)
+                continue
+        return plan, reports
 
 
 def _skip(dc: DistComm, found: Discovery, step: int, failures: dict[int, str], reason: str,

@@ -67,11 +67,12 @@ class PartnerLevel(Level):
                 if self.local.file_problem(path) is None:
                     path.unlink(missing_ok=True)
 
-    def held(self, step: int, world: int) -> dict[int, str | None]:
+    def held(self, step: int, world: int, *, data: bool = True) -> dict[int, str | None]:
         """``{source rank: None if my copy of its shard is intact, else why}`` (absent
         copies are left out). Any failure to read or check a copy makes it unusable, and so
         does a copy or step directory that is not ours (a planted link: never followed).
-        Local."""
+        Without ``data`` no tensor byte is read (headers only): a copy used for a rebuild
+        is verified as it streams to its rank. Local."""
         out: dict[int, str | None] = {}
         for q in self.sources:
             path = self.copy_path(step, q)
@@ -82,7 +83,8 @@ class PartnerLevel(Level):
                 if problem is not None:
                     raise CorruptCheckpointError(str(path), problem, rank=q, step=step,
                                                  level=self.name)
-                Shard.check(path, rank=q, step=step, world=world, level=self.name)
+                Shard.check(path, rank=q, step=step, world=world, level=self.name,
+                            data=data)
                 out[q] = None
             except Exception as exc:  # noqa: BLE001 - any failure: the copy is unusable
                 why = str(exc) if isinstance(exc, CorruptCheckpointError) else \

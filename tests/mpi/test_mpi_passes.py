@@ -7,7 +7,8 @@ What each operation touches today, and so what the counters must say:
 * partner save: that, plus the own shard hashed again before it is sent, the send, the
   partner's receive, the receiver's streaming check and its write of the copy;
 * restore from the node-local level: one pass, each tensor read straight into the live
-  tensor with its checksum computed as the bytes land (discovery reads headers only).
+  tensor with its checksum computed as the bytes land (discovery reads headers only, of
+  the own shard and of the partner copies a rank holds).
 
 A counter missing from a path, or a pass added or removed, changes these numbers (the
 shard's header and padding make ``write`` a little more than 1 per shard).
@@ -36,8 +37,8 @@ def _passes(fn) -> dict[str, float]:        # type: ignore[no-untyped-def]
     return {k: round(v, 2) for k, v in got.items() if v}
 
 
-def _measure(levels: str) -> dict[str, dict[str, float]]:
-    cfg = Config.load(async_=False, levels=levels)
+def _measure(levels: str, **overrides) -> dict[str, dict[str, float]]:   # type: ignore[no-untyped-def]
+    cfg = Config.load(async_=False, levels=levels, **overrides)
     out = {}
     with topology() as topo:
         ckpt = Checkpointer(topo, cfg)
@@ -61,9 +62,17 @@ def test_local_save_and_restore_passes(ftkit_env) -> None:
         assert rank_got["restore"] == pytest.approx({"copy": 1, "total": 1}, abs=0.01), got
 
 
-def test_partner_save_passes(ftkit_env) -> None:
+def test_partner_save_and_restore_passes(ftkit_env) -> None:
+    """A restore that loses nothing reads no partner copy: still one pass."""
     got = allgather(_measure("local:1,partner:1"))
     for rank_got in got:
         assert rank_got["save"] == pytest.approx(
             {"copy": 1, "hash": 3, "write": 2, "send": 1, "recv": 1, "total": 8},
             abs=0.01), got
+        assert rank_got["restore"] == pytest.approx({"copy": 1, "total": 1}, abs=0.01), got
+
+
+def test_xor_restore_reads_no_parity_when_nothing_is_lost(ftkit_env) -> None:
+    got = allgather(_measure("local:1,xor:1", xor_set=2))
+    for rank_got in got:
+        assert rank_got["restore"] == pytest.approx({"copy": 1, "total": 1}, abs=0.01), got

@@ -213,3 +213,59 @@ def test_checksum_mismatch_found_while_reading_is_repaired_from_the_partner_copy
     evs = events(ftkit_env.events_path)
     assert [e["ranks"] for e in evs if e["event"] == "rebuild"] == [[1]], evs
     assert not [e for e in evs if e["event"] == "restore-skip"], evs
+
+
+def test_a_damaged_partner_copy_is_found_by_the_rebuild_that_uses_it(ftkit_env):
+    """Discovery reads partner copies by their headers only. Node 0 loses its directory;
+    node 1 holds the partner copies of ranks 0 and 1, and the step-2 copy of one of them has
+    a flipped byte. The rebuild of step 2 streams it, the receiver's check refuses it, and
+    step 2 is looked at again with every byte: the damaged copy makes it unrecoverable, so
+    step 2 is skipped (kept) and step 1 is rebuilt from its intact copies and loaded."""
+    levels = "local:1,partner:1"
+    with topology() as topo:
+        expected = save_steps(topo, [1, 2], levels=levels)
+        damaged = min(p.name for p in ftkit_env.step_dir(1, 2).glob("partner-*.ftk"))
+        if RANK == 2:               # rank 2 leads node 1, which holds the copies
+            flip_byte(ftkit_env.step_dir(1, 2) / damaged)
+        WORLD.Barrier()
+        if RANK == 0:
+            shutil.rmtree(ftkit_env.node_dir(0))
+        WORLD.Barrier()
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(levels=levels))
+        step = ckpt.restore(state)
+        ckpt.close()
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    evs = events(ftkit_env.events_path)
+    [skip] = [e for e in evs if e["event"] == "restore-skip"]
+    assert skip["step"] == 2 and damaged in skip["reason"] and "partner" in skip["reason"], skip
+    assert [(e["step"], e["ranks"]) for e in evs if e["event"] == "rebuild"] == [(1, [0, 1])]
+    assert (ftkit_env.node_dir(1) / "parked-step-2" / damaged).is_file()   # kept, aside
+
+
+def test_damaged_parity_is_found_by_the_rebuild_that_decodes_it(ftkit_env):
+    """The same with XOR parity (sets of one rank per node): discovery reads the parity's
+    header only, the shard decoded from damaged parity fails its verification, step 2 is
+    looked at again with every byte and skipped; step 1 is decoded and loaded."""
+    levels = "local:1,xor:1"
+    with topology() as topo:
+        expected = save_steps(topo, [1, 2], levels=levels, xor_set=2)
+        damaged = sorted(p.name for p in ftkit_env.step_dir(1, 2).glob("xor-*.ftk"))
+        if RANK == 2:
+            for name in damaged:
+                flip_byte(ftkit_env.step_dir(1, 2) / name)
+        WORLD.Barrier()
+        if RANK == 0:
+            shutil.rmtree(ftkit_env.node_dir(0))
+        WORLD.Barrier()
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(levels=levels, xor_set=2))
+        step = ckpt.restore(state)
+        ckpt.close()
+    assert damaged and allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    evs = events(ftkit_env.events_path)
+    [skip] = [e for e in evs if e["event"] == "restore-skip"]
+    assert skip["step"] == 2 and "xor" in skip["reason"], skip
+    assert [(e["step"], e["ranks"]) for e in evs if e["event"] == "rebuild"] == [(1, [0, 1])]
