@@ -1,9 +1,9 @@
 """Restore the newest step that is committed and recoverable on every rank (docs/protocol.md).
 
 Phases: ``restore-discover`` (ranks exchange inventories over MPI; for each committed step,
-newest first, every rank checks what it holds (its own shard by its header; copies and
-parity completely) and a :mod:`plan <ftkit.recovery.plan>` says whether lost shards can be
-rebuilt), ``restore-rebuild`` (partner copies / XOR / RS decoding
+newest first, every rank checks what it holds (own shard, partner copies, parity) by their
+headers, and a :mod:`plan <ftkit.recovery.plan>` says whether lost shards can be rebuilt;
+a load or rebuild that fails looks at the step again, every byte), ``restore-rebuild`` (partner copies / XOR / RS decoding
 over MPI, see :mod:`ftkit.recovery.rebuild`), ``restore-load`` (each tensor read straight into
 the live state, verified as it lands; a failure looks at the step again, every byte, so
 redundancy can repair it). A rank only reads its own node's directory; everything from
