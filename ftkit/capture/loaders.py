@@ -157,13 +157,31 @@ def adopt(state: Any) -> None:
         _OWNED[value] = _Owned(generator)     # a generator of the loader's own: kept, replayed
 
 
-def extra(obj: Any) -> dict[str, Any] | None:
-    """What ftkit saves with loader ``obj`` (``{"generator": state}``), or None (not a loader
-    :func:`adopt` saw). For :func:`ftkit.capture.flatten.flatten`."""
+def _owned(obj: Any) -> _Owned | None:
+    """ftkit's record of loader ``obj`` when :func:`adopt` saw it and its generator is
+    still ftkit's, else None."""
     owned = _OWNED.get(obj) if is_loader(obj) else None
     generator = getattr(obj, "generator", None)
     if owned is None or generator is None or owned.generator is not generator:
         return None
+    return owned
+
+
+def extra_layout(obj: Any) -> dict[str, Any] | None:
+    """What :func:`extra` adds for ``obj``, the generator's current state standing in for
+    the replayed one: the same leaves, no side effects (a restore matches the live state's
+    leaves against a checkpoint's with it)."""
+    owned = _owned(obj)
+    return None if owned is None else {"generator": owned.generator.get_state()}
+
+
+def extra(obj: Any) -> dict[str, Any] | None:
+    """What ftkit saves with loader ``obj`` (``{"generator": state}``), or None (not a loader
+    :func:`adopt` saw). For :func:`ftkit.capture.flatten.flatten`."""
+    owned = _owned(obj)
+    if owned is None:
+        return None
+    generator = owned.generator
     state = owned.replay_state()
     if state is None:
         if not _warned[0]:

@@ -315,7 +315,7 @@ def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> _Reading:
     """The destinations of ``shard``'s tensors (:func:`ftkit.capture.inplace.destination`)
     and the tree over them, nothing read yet. CorruptCheckpointError naming the file when
     the tree does not decode. Local."""
-    live = live_leaves(state, loaders.extra)
+    live = live_leaves(state, loaders.extra_layout)
     dests, tensors = [], []
     try:
         for i, leaf in enumerate(leaves_of(shard.header)):
