@@ -5,7 +5,9 @@
 Relaunches itself under the venv's mpiexec (one virtual node per rank, so every exchange
 crosses "nodes"). Each rank's shard is a real .ftk-sized file in a private tmpfs directory.
 Prints ``name: value (ratio to X = r)`` lines and writes redundancy.json, including
-``level_costs_s`` for ``ftkit advise --measured``. Goal (README.md, Performance): partner/XOR >= 0.7x p2p.
+``level_costs_s`` for ``ftkit advise --measured``. Goals (README.md, Performance): partner/XOR >=
+0.7x p2p; RS encode >= 0.7x XOR encode of the same set (``rs_vs_xor``; RS has 2 parity blocks
+where XOR has 1, so ``rs_vs_xor_per_block`` is reported too).
 """
 from __future__ import annotations
 
@@ -92,6 +94,12 @@ def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, floa
         lines.append(f"{name}_encode_bandwidth: {gbs[name]:.3f} GB/s of shard per rank "
                      f"(ratio to mpi_p2p_bandwidth = {ratios[name]:.2f}; goal >= 0.7) "
                      f"(ratio to min(p2p, tmpfs write) = {bound_ratios[name]:.2f})")
+    parity = {"xor": 1, "rs": min(2, world - 1)}
+    rs_vs_xor = gbs["rs"] / gbs["xor"]
+    per_block = rs_vs_xor * parity["rs"] / parity["xor"]
+    lines.append(f"rs_vs_xor: {rs_vs_xor:.2f} (RS with {parity['rs']} parity blocks against XOR "
+                 f"with 1 on the same set; per parity block {per_block:.2f}; goal >= 0.7; "
+                 f"GF(256) kernel: {gf256_kernel()})")
     print("\n".join(lines), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +111,15 @@ def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, floa
         "shard_bytes_per_rank": nbytes, "seconds": t, "gb_per_s": gbs,
         "ratio_to_p2p": ratios, "ratio_to_min_p2p_tmpfs": bound_ratios, "goal_ratio": 0.7,
         "level_costs_s": {k: t[k] for k in ("partner", "xor", "rs")},
+        "parity_blocks": parity, "rs_vs_xor": rs_vs_xor, "rs_vs_xor_per_block": per_block,
+        "gf256_kernel": gf256_kernel(),
     }
     (out / "redundancy.json").write_text(json.dumps(report, indent=1))
+
+
+def gf256_kernel() -> str:
+    from ftkit.storage import gf256
+    return gf256.kernel()
 
 
 def main() -> None:

@@ -1,14 +1,22 @@
-"""Arithmetic in GF(2^8) (polynomial 0x11D), vectorised with NumPy lookup tables.
+"""Arithmetic in GF(2^8) (polynomial 0x11D): tables, vector kernels, Cauchy matrices.
 
-Addition is XOR. ``mul(c, v)`` scales a uint8 vector by a constant through a 256-entry table
-(one fancy-index pass). Used by the Reed–Solomon level: a Cauchy matrix gives an MDS code,
-so any ``m`` of the ``k`` segments of a stripe determine the other ``k - m``.
+Addition is XOR. Used by the Reed–Solomon level: a Cauchy matrix gives an MDS code, so any
+``m`` of the ``k`` segments of a stripe determine the other ``k - m``.
+
+Vector kernels: :func:`scale_into` (``out = c * v``) and :func:`mad_into` (``out ^= c * v``)
+run on Intel ISA-L (:mod:`ftkit.storage.isal`, memory bandwidth, several GB/s) when a copy
+of the library loads and passes a self-test, else on NumPy (a 64 K-entry table applied to
+byte pairs, about 1-2 GB/s). :func:`scale_into_ref` is the independent reference kernel
+(bit-sliced), kept for tests and benchmarks. All of them give the same bytes.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
 from ftkit import passes
+from ftkit.storage import isal
 
 _EXP = np.zeros(512, dtype=np.uint8)
 _LOG = np.zeros(256, dtype=np.int32)
@@ -38,6 +46,7 @@ def ginv(a: int) -> int:
     return int(_EXP[255 - _LOG[a]])
 
 
+# ------------------------------------------------------------------ reference kernel
 _LO7 = np.uint64(0x7F7F7F7F7F7F7F7F)
 _HI1 = np.uint64(0x0101010101010101)
 _POLY = np.uint64(0x1D)
@@ -54,11 +63,10 @@ def _xtime(w: np.ndarray, tmp: np.ndarray) -> None:
     np.bitwise_xor(w, tmp, out=w)
 
 
-def scale_into(out: np.ndarray, c: int, v: np.ndarray) -> np.ndarray:
-    """``out = c * v`` (uint8 vectors); returns out. Bit-sliced over 64-bit words (about
-    20x faster than a table lookup) when the length is a multiple of 8. An ``encode``
-    pass over ``v``."""
-    passes.count("encode", v.nbytes)
+def scale_into_ref(out: np.ndarray, c: int, v: np.ndarray) -> np.ndarray:
+    """``out = c * v`` (uint8 vectors); returns out. The reference kernel, kept independent
+    of the fast ones (tests compare them): bit-sliced over 64-bit words when the length is a
+    multiple of 8, else one lookup in :data:`MUL`."""
     if c == 0:
         out[...] = 0
     elif c == 1:
@@ -74,6 +82,128 @@ def scale_into(out: np.ndarray, c: int, v: np.ndarray) -> np.ndarray:
                 np.bitwise_xor(acc, w, out=acc)
             if c >> (bit + 1):
                 _xtime(w, tmp)
+    return out
+
+
+# ------------------------------------------------------------------------ fast kernels
+#: uint16 elements per chunk of the NumPy kernel (256 KiB of input: its intp index copy
+#: and the products stay in cache)
+CHUNK = 1 << 17
+#: shorter vectors stay on NumPy (a native call costs more than it saves)
+NATIVE_MIN = 64
+#: the kernels :func:`use_kernel` can select
+KERNELS = ("native", "numpy", "reference")
+_native: isal.Isal | None = None
+_loaded = False
+_mode = "native"
+
+
+def _native_kernel() -> isal.Isal | None:
+    """The ISA-L kernel when it is loaded (on first use) and selected, else None. Local."""
+    global _native, _loaded
+    if not _loaded:
+        _native = isal.load(lambda c, v: scale_into_ref(np.empty(len(v), np.uint8), c, v))
+        _loaded = True
+    return _native if _mode == "native" else None
+
+
+def use_kernel(name: str) -> str:
+    """Select the kernel of :func:`scale_into` and :func:`mad_into`: ``native`` (ISA-L when
+    it loads, else NumPy; the default), ``numpy`` (the fallback) or ``reference``
+    (:func:`scale_into_ref`; tests and benchmarks). Returns the previous one. Local."""
+    global _mode
+    if name not in KERNELS:
+        raise ValueError(f"unknown GF(256) kernel {name!r}; one of {KERNELS}")
+    previous, _mode = _mode, name
+    return previous
+
+
+def kernel() -> str:
+    """The kernel in use: ``isa-l <version> (<library>)``, ``numpy`` or ``reference``.
+    Local."""
+    native = _native_kernel()
+    return f"isa-l {native.version} ({native.where})" if native else \
+        "reference" if _mode == "reference" else "numpy"
+
+
+@lru_cache(maxsize=64)
+def _pairs(c: int) -> np.ndarray:
+    """65,536-entry table of c times every byte pair, as uint16 (native byte order)."""
+    return MUL[c][np.arange(1 << 16, dtype=np.uint16).view(np.uint8)].view(np.uint16)
+
+
+def _numpy_apply(out: np.ndarray, c: int, v: np.ndarray, accumulate: bool) -> None:
+    """``out (^)= c * v`` on NumPy: two bytes per lookup in :func:`_pairs` (``np.take``
+    over CHUNK-element slices), the odd last byte in :data:`MUL`."""
+    if not (out.flags.c_contiguous and v.flags.c_contiguous):
+        product = MUL[c][v]
+        np.bitwise_xor(out, product, out=out) if accumulate else np.copyto(out, product)
+        return
+    even = len(v) & ~1
+    src, dst, tbl = v[:even].view(np.uint16), out[:even].view(np.uint16), _pairs(c)
+    tmp = np.empty(min(CHUNK, len(src)), np.uint16) if accumulate else None
+    for at in range(0, len(src), CHUNK):
+        s, d = src[at:at + CHUNK], dst[at:at + CHUNK]
+        if tmp is None:
+            np.take(tbl, s, out=d, mode="clip")          # uint16 indices never clip
+        else:
+            np.take(tbl, s, out=tmp[:len(s)], mode="clip")
+            np.bitwise_xor(d, tmp[:len(s)], out=d)
+    if even < len(v):
+        last = MUL[c][v[even]]
+        out[even] = out[even] ^ last if accumulate else last
+
+
+def _apply(out: np.ndarray, c: int, v: np.ndarray, accumulate: bool) -> None:
+    """``out = c * v`` or ``out ^= c * v`` (2 <= c <= 255) on the fastest kernel; an
+    ``encode`` pass over ``v``."""
+    passes.count("encode", v.nbytes)
+    if out.dtype != np.uint8 or v.dtype != np.uint8 or out.shape != v.shape or v.ndim != 1:
+        raise TypeError(f"GF(256) vectors must be equally long 1-D uint8 arrays, got "
+                        f"{out.dtype}{out.shape} and {v.dtype}{v.shape}")
+    if _mode == "reference":
+        product = scale_into_ref(np.empty(len(v), np.uint8), c, np.ascontiguousarray(v))
+        np.bitwise_xor(out, product, out=out) if accumulate else np.copyto(out, product)
+        return
+    native = _native_kernel()
+    if (native is None or len(v) < NATIVE_MIN or not out.flags.writeable
+            or not (out.flags.c_contiguous and v.flags.c_contiguous)):
+        _numpy_apply(out, c, v, accumulate)
+        return
+    if np.may_share_memory(out, v):
+        v = v.copy()                       # ISA-L reads tails twice: no overlap allowed
+    (native.mad if accumulate else native.scale)(out, c, v)
+
+
+def scale_into(out: np.ndarray, c: int, v: np.ndarray) -> np.ndarray:
+    """``out = c * v`` (equally long uint8 vectors); returns out. Native when ISA-L is
+    available, else NumPy; same bytes as :func:`scale_into_ref`. Local."""
+    if c == 0:
+        out[...] = 0
+    elif c == 1:
+        np.copyto(out, v)
+    else:
+        _apply(out, c, v, accumulate=False)
+    return out
+
+
+def mad_into(out: np.ndarray, c: int, v: np.ndarray) -> np.ndarray:
+    """``out ^= c * v`` (multiply-accumulate, no temporary of the vector's size); returns
+    out. Local."""
+    if c == 1:
+        xor_into(out, v)
+    elif c:
+        _apply(out, c, v, accumulate=True)
+    return out
+
+
+def xor_into(out: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``out ^= v`` in place, on 64-bit words when both are contiguous and the length is
+    a multiple of 8; returns out. Local."""
+    if len(out) % 8 == 0 and out.flags.c_contiguous and v.flags.c_contiguous:
+        np.bitwise_xor(out.view(np.uint64), v.view(np.uint64), out=out.view(np.uint64))
+    else:
+        np.bitwise_xor(out, v, out=out)
     return out
 
 
