@@ -143,3 +143,18 @@ def test_plain_dataloader_refused_before_the_first_step() -> None:
 def test_other_unsupported_leaf_refused_before_the_first_step() -> None:
     with pytest.raises(UnsupportedStateError, match=r"cannot checkpoint this state: .*object"):
         loaders.admit(FakeDC(), {"w": torch.zeros(2), "odd": object()})
+
+
+def test_extra_layout_has_the_leaves_of_extra_without_its_side_effects() -> None:
+    """A restore flattens the live state with ``extra_layout`` to find where each saved tensor
+    goes in place: the same leaves (paths, dtypes, shapes) as a save's ``extra``, and the
+    generator is neither replayed nor drawn from."""
+    state = _make(0, False, "distributed")
+    loaders.adopt(state)
+    gen = state["data"].generator
+    saved = [(lf.path, lf.dtype, lf.shape) for lf in flatten(state, loaders.extra)[1]]
+    before = gen.get_state().clone()
+    layout = [(lf.path, lf.dtype, lf.shape) for lf in flatten(state, loaders.extra_layout)[1]]
+    assert layout == saved and any(loaders.RESERVED in path for path, _, _ in layout)
+    assert torch.equal(gen.get_state(), before)
+    assert loaders.extra_layout(object()) is None
