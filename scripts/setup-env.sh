@@ -23,6 +23,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing ftkit[test] (mpi4py, Open MPI, pytest, ...)" >&2
 "${PIP[@]}" install -e ".[test]" 2>&1 | grep -v "is ignored" || true
+# optional: ISA-L for the rs level's GF(256) arithmetic (its tests skip without it)
+"${PIP[@]}" install -e ".[isal]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('pyeclib') is None)" \
+    || echo "setup: pyeclib (ISA-L) not installed; the rs level's GF(256) runs on NumPy" >&2
 "$VENV/bin/python" -c "import torch, torchdata.stateful_dataloader, mpi4py, numpy, xxhash, pytest, ftkit" \
     || { echo "setup: the environment is incomplete" >&2; exit 1; }
 rm -f "$VENV"/.ftkit-setup-*
