@@ -33,9 +33,9 @@ from .mpi_helpers import (
 NODE = RANK // 2
 
 
-def restore_fresh(topo) -> tuple[int, dict]:
+def restore_fresh(topo, **overrides) -> tuple[int, dict]:
     state = small_state(RANK, 0)
-    ckpt = Checkpointer(topo, Config.load())
+    ckpt = Checkpointer(topo, Config.load(**overrides))
     step = ckpt.restore(state)
     ckpt.close()
     return step, state
@@ -204,10 +204,7 @@ def test_checksum_mismatch_found_while_reading_is_repaired_from_the_partner_copy
         if RANK == 1:
             flip_byte(ftkit_env.step_dir(0, 2) / "rank-1.ftk")
         WORLD.Barrier()
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(levels=levels))
-        step = ckpt.restore(state)
-        ckpt.close()
+        step, state = restore_fresh(topo, levels=levels)
     assert allgather(step) == [2] * 4
     assert allgather(diff(expected[2], canon(state))) == [[]] * 4
     evs = events(ftkit_env.events_path)
@@ -227,14 +224,8 @@ def test_a_damaged_partner_copy_is_found_by_the_rebuild_that_uses_it(ftkit_env):
         damaged = min(p.name for p in ftkit_env.step_dir(1, 2).glob("partner-*.ftk"))
         if RANK == 2:               # rank 2 leads node 1, which holds the copies
             flip_byte(ftkit_env.step_dir(1, 2) / damaged)
-        WORLD.Barrier()
-        if RANK == 0:
-            shutil.rmtree(ftkit_env.node_dir(0))
-        WORLD.Barrier()
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(levels=levels))
-        step = ckpt.restore(state)
-        ckpt.close()
+        _lose_node_0(ftkit_env)
+        step, state = restore_fresh(topo, levels=levels)
     assert allgather(step) == [1] * 4
     assert allgather(diff(expected[1], canon(state))) == [[]] * 4
     evs = events(ftkit_env.events_path)
@@ -255,17 +246,19 @@ def test_damaged_parity_is_found_by_the_rebuild_that_decodes_it(ftkit_env):
         if RANK == 2:
             for name in damaged:
                 flip_byte(ftkit_env.step_dir(1, 2) / name)
-        WORLD.Barrier()
-        if RANK == 0:
-            shutil.rmtree(ftkit_env.node_dir(0))
-        WORLD.Barrier()
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(levels=levels, xor_set=2))
-        step = ckpt.restore(state)
-        ckpt.close()
+        _lose_node_0(ftkit_env)
+        step, state = restore_fresh(topo, levels=levels, xor_set=2)
     assert damaged and allgather(step) == [1] * 4
     assert allgather(diff(expected[1], canon(state))) == [[]] * 4
     evs = events(ftkit_env.events_path)
     [skip] = [e for e in evs if e["event"] == "restore-skip"]
     assert skip["step"] == 2 and "xor" in skip["reason"], skip
     assert [(e["step"], e["ranks"]) for e in evs if e["event"] == "rebuild"] == [(1, [0, 1])]
+
+
+def _lose_node_0(ftkit_env) -> None:
+    """Node 0's directory is gone (its leader, rank 0, removes it) once every rank got here."""
+    WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(ftkit_env.node_dir(0))
+    WORLD.Barrier()
