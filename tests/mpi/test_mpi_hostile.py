@@ -117,14 +117,22 @@ def test_undecodable_newest_shard_falls_back(ftkit_env, how):
     assert step_files(ftkit_env.local_dir) == parked      # moved aside, byte for byte
 
 
-def test_undecodable_shard_is_rebuilt_from_its_partner_copy(ftkit_env):
+@pytest.mark.parametrize("damage", ["undecodable", "flipped"])
+def test_damaged_shard_is_rebuilt_from_its_partner_copy(ftkit_env, damage):
     """With a partner level the damaged shard is lost like any other: it is rebuilt from
-    the (intact) partner copy and step 2 is restored."""
+    the (intact) partner copy and step 2 is restored. An undecodable header is found by
+    discovery; a flipped data byte by the load (discovery reads headers only), after the
+    live tensors took some of step 2's bytes: step 2 is then looked at again with every
+    byte, rebuilt and loaded again, and nothing is skipped."""
     levels = "local:1,partner:1"
     with topology() as topo:
         expected = save_steps(topo, [1, 2], levels=levels)
         if RANK == 1:
-            craft(ftkit_env.step_dir(0, 2) / "rank-1.ftk", _index_out_of_range)
+            shard = ftkit_env.step_dir(0, 2) / "rank-1.ftk"
+            if damage == "undecodable":
+                craft(shard, _index_out_of_range)
+            else:
+                flip_byte(shard)
         WORLD.Barrier()
         step, state = restore_fresh(topo, levels=levels)
     assert allgather(step) == [2] * 4

@@ -193,25 +193,6 @@ def test_missing_shard_is_reported_on_its_own_node(ftkit_env):
     assert "node-1" in skips[0]["failures"]["3"], skips[0]["failures"]["3"]
 
 
-def test_checksum_mismatch_found_while_reading_is_repaired_from_the_partner_copy(ftkit_env):
-    """Discovery reads headers only, so the flipped byte in rank 1's step-2 shard is found
-    by the load, after the live tensors took some of step 2's bytes. Step 2 is looked at
-    again, every byte: rank 1's shard is rebuilt from its (intact) partner copy, step 2 is
-    loaded again, and every rank ends with step 2's state; nothing is skipped."""
-    levels = "local:1,partner:1"
-    with topology() as topo:
-        expected = save_steps(topo, [1, 2], levels=levels)
-        if RANK == 1:
-            flip_byte(ftkit_env.step_dir(0, 2) / "rank-1.ftk")
-        WORLD.Barrier()
-        step, state = restore_fresh(topo, levels=levels)
-    assert allgather(step) == [2] * 4
-    assert allgather(diff(expected[2], canon(state))) == [[]] * 4
-    evs = events(ftkit_env.events_path)
-    assert [e["ranks"] for e in evs if e["event"] == "rebuild"] == [[1]], evs
-    assert not [e for e in evs if e["event"] == "restore-skip"], evs
-
-
 def test_a_damaged_partner_copy_is_found_by_the_rebuild_that_uses_it(ftkit_env):
     """Discovery reads partner copies by their headers only. Node 0 loses its directory;
     node 1 holds the partner copies of ranks 0 and 1, and the step-2 copy of one of them has
