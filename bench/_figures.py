@@ -36,9 +36,10 @@ def bounds(part: dict[str, Any]) -> Figures:
     return {f"bound[{k}]": _fig(v, "GB/s") for k, v in part["gb_per_s"].items()}
 
 
-def levels(part: dict[str, Any], bound: dict[str, float]) -> Figures:
+def levels(part: dict[str, Any], bound: dict[str, float], tag: str = "") -> Figures:
     """Save bandwidth per level at the largest size (redundancy levels: their increment over
-    local, i.e. what the level itself costs) against the matching bound; restore speed-ups."""
+    local, i.e. what the level itself costs) against the matching bound; restore speed-ups.
+    ``tag`` is added to every name (a second run of the part in another setting)."""
     out: Figures = {}
     for level, per_size in part["save_gb_per_s"].items():
         size, value = _largest(per_size)
@@ -46,7 +47,7 @@ def levels(part: dict[str, Any], bound: dict[str, float]) -> Figures:
         if level != "local" and inc:
             value = float(size) * 2**20 / 1e9 / inc
         to, goal = LEVEL_BOUND.get(level, (None, None))
-        out[f"save[{level}, {size} MiB]"] = _fig(value, "GB/s", to, bound.get(to or ""), goal)
+        out[f"save[{level}, {size} MiB{tag}]"] = _fig(value, "GB/s", to, bound.get(to or ""), goal)
     for level, per_size in part["restore_gb_per_s"].items():
         size, value = _largest(per_size)
         to, goal = RESTORE_BOUND.get(level, (None, None))
@@ -54,15 +55,34 @@ def levels(part: dict[str, Any], bound: dict[str, float]) -> Figures:
         same_run = part.get("restore_vs_memcpy", {}).get(level, {}).get(size)
         if to and same_run:         # memcpy timed on the same ranks, alternating rounds
             to, base = "memcpy (same rounds, median)", value / same_run["median"]
-        out[f"restore[{level}, {size} MiB]"] = _fig(value, "GB/s", to, base, goal)
+        out[f"restore[{level}, {size} MiB{tag}]"] = _fig(value, "GB/s", to, base, goal)
     restore = part["restore_s"]
     if "pfs" in restore:
         size, pfs = _largest(restore["pfs"])
         for level in ("local", "partner"):
             if level in restore and size in restore[level]:
-                out[f"restore speed-up[{level} vs pfs, {size} MiB]"] = _fig(
+                out[f"restore speed-up[{level} vs pfs, {size} MiB{tag}]"] = _fig(
                     pfs / restore[level][size], "x", "1", 1.0, 10.0)
     return out
+
+
+def redundancy(part: dict[str, Any]) -> Figures:
+    """RS encode against XOR encode of the same set, alternating rounds (median of per-round
+    ratios): with one parity block (the goal's figure: same tolerance, same bytes moved) and
+    with the configured parity blocks (no goal: it moves more bytes)."""
+    out: Figures = {}
+    gbs, parity = part["gb_per_s"], part.get("parity_blocks", {})
+    for name, key, goal in (("rs1", "rs_vs_xor_same_parity", 0.7), ("rs", "rs_vs_xor", None)):
+        vs = part.get(key)
+        if isinstance(vs, dict) and name in gbs:
+            value = gbs[name]
+            out[f"rs encode[{parity.get(name, '?')} parity, {_mib(part)} MiB]"] = _fig(
+                value, "GB/s", "xor encode (same rounds, median)", value / vs["median"], goal)
+    return out
+
+
+def _mib(part: dict[str, Any]) -> int:
+    return int(part.get("shard_bytes_per_rank", 0)) >> 20
 
 
 def peers(part: dict[str, Any]) -> Figures:
@@ -116,8 +136,9 @@ def derive(parts: dict[str, dict[str, Any]]) -> Figures:
     bound = parts.get("bounds", {}).get("gb_per_s", {})
     out: Figures = {}
     steps = (("bounds", lambda p: bounds(p)), ("levels", lambda p: levels(p, bound)),
-             ("hdf5_vs_dcp", peers), ("protocol", protocol), ("recovery", recovery),
-             ("hp_overlap", overlap))
+             ("levels_2ranks", lambda p: levels(p, bound, f", {p['ranks']} ranks")),
+             ("redundancy", redundancy), ("hdf5_vs_dcp", peers), ("protocol", protocol),
+             ("recovery", recovery), ("hp_overlap", overlap))
     for name, fn in steps:
         if name in parts:
             out.update(fn(parts[name]))

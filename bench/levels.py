@@ -1,10 +1,11 @@
 """ftkit's levels through the public Checkpointer API: save and restore time per level and size.
 
-    python bench/levels.py [--ranks 4] [--sizes-mib 1,16,64,256,1024] [--repeat 3] [--quick]
-                           [--out bench/results]
+    python bench/levels.py [--ranks 4] [--ranks-per-node 2] [--sizes-mib 1,16,64,256,1024]
+                           [--levels local,partner,...] [--repeat 3] [--quick]
+                           [--name levels] [--out bench/results]
 
 Relaunches itself under the venv's mpiexec on --ranks ranks (default 4) forming virtual nodes
-of 2 ranks (``Topology.create(comm, ranks_per_node=2)``). For every state size per rank
+of --ranks-per-node ranks (default 2; ``Topology.create(comm, ranks_per_node=...)``). For every state size per rank
 (``--quick``: 1,16; ``--size-mib N`` is ``--sizes-mib N``) and every level configuration
 
     local = local:1   partner = local:1,partner:1   xor = local:1,xor:1
@@ -26,7 +27,7 @@ The state is 4 float32 torch tensors per rank, different on every rank. Erasure 
 rank per node, so xor_set = rs_set = min(nodes, 4) and rs_parity = 1 below 4 nodes, else 2.
 A (level, size) whose files would not fit in memory is skipped and listed under ``skipped``.
 GB/s figures are per rank (state of one rank / seconds). Prints ``save[partner, 64 MiB]:
-0.52 GB/s`` lines and writes levels.json.
+0.52 GB/s`` lines and writes ``<name>.json`` (default levels.json).
 """
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                                                  "restore_vs_memcpy": {}}
     for size in args.sizes:
         state, key = _make_state(topo.rank, size << 20), str(size)
-        for level in LEVELS:
+        for level in args.levels:
             why = topo.comm.bcast(_no_room(level, size << 20, topo.world, settings)
                                   if topo.rank == 0 else None)
             if why:
@@ -211,7 +212,7 @@ def _child(args: argparse.Namespace) -> None:
     from ftkit.comm.topology import Topology
 
     comm = MPI.COMM_WORLD
-    topo = Topology.create(comm, ranks_per_node=RANKS_PER_NODE)
+    topo = Topology.create(comm, ranks_per_node=args.ranks_per_node)
     settings = _settings(len(topo.nodes))
     with _mpi.scratch(comm, "/dev/shm", tempfile.gettempdir()) as (local, pfs):
         res = _measure(args, topo, str(local), str(pfs), settings)
@@ -244,7 +245,7 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
     save, restore = res["save_s"], res["restore_s"]
     save_gbs, restore_gbs, inc = _per_rank_gbs(save), _per_rank_gbs(restore), _increments(save)
     lines = []
-    for size, level in itertools.product(map(str, args.sizes), LEVELS):
+    for size, level in itertools.product(map(str, args.sizes), args.levels):
         if size not in save.get(level, {}):
             lines.append(f"save[{level}, {size} MiB]: skipped ({res['skipped'][level][size]})")
             continue
@@ -261,14 +262,14 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             lines.append(f"costs[{op}, {level}, {size} MiB]: "
                          f"{cost_line(res[f'{op}_costs'][level][size])}")
     print("\n".join(lines), flush=True)
-    _mpi.write_report(args.out, "levels", {
+    _mpi.write_report(args.out, args.name, {
         "ranks": args.ranks, "nodes": nodes, "sizes_mib": args.sizes, "repeat": args.repeat,
         "save_s": save, "save_gb_per_s": save_gbs, "increment_s": inc,
         "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
         "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
         "restore_vs_memcpy": res["restore_vs_memcpy"],
-        "settings": {**settings, "ranks_per_node": RANKS_PER_NODE, "async": False},
-        "levels": LEVELS, "machine": _mpi.machine(),
+        "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
+        "levels": {lv: LEVELS[lv] for lv in args.levels}, "machine": _mpi.machine(),
         "command": " ".join(["python bench/levels.py",
                              *(a for a in sys.argv[1:] if a != "--child")])})
 
@@ -279,10 +280,19 @@ def main() -> None:
     ap.add_argument("--sizes-mib", default=None,
                     help=f"state sizes per rank, MiB (default {SIZES}; --quick {QUICK_SIZES})")
     ap.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} MiB")
+    ap.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE,
+                    help=f"ranks per virtual node (default {RANKS_PER_NODE})")
+    ap.add_argument("--levels", default=",".join(LEVELS),
+                    help=f"level configurations to measure (default {','.join(LEVELS)})")
+    ap.add_argument("--name", default="levels", help="report name: <out>/<name>.json")
     args = ap.parse_args()
-    if args.ranks < 2 * RANKS_PER_NODE or args.ranks % RANKS_PER_NODE:
-        ap.error(f"--ranks must be a multiple of {RANKS_PER_NODE} and >= "
-                 f"{2 * RANKS_PER_NODE} (2 nodes at least), got {args.ranks}")
+    args.levels = [lv for lv in args.levels.split(",") if lv]
+    if not args.levels or set(args.levels) - set(LEVELS):
+        ap.error(f"--levels: a comma-separated subset of {','.join(LEVELS)}")
+    per = args.ranks_per_node
+    if per < 1 or args.ranks < 2 * per or args.ranks % per:
+        ap.error(f"--ranks must be a multiple of --ranks-per-node ({per}) and >= {2 * per} "
+                 f"(2 nodes at least), got {args.ranks}")
     text = args.sizes_mib or (str(args.size_mib) if args.size_mib else
                               QUICK_SIZES if args.quick else SIZES)
     args.sizes = [int(s) for s in text.split(",") if s.strip()]

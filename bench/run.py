@@ -4,9 +4,10 @@ torch.save), protocol cost growth, recovery time, checkpoint overhead of the HP 
     python bench/run.py [--quick] [--out DIR]        # full: sizes 1 MiB .. 1 GiB per rank
     python bench/run.py --smoke --out /tmp/x         # tiny sizes: keeps the code working
 
-Each part is its own script (``bench/bounds.py``, ``levels.py``, ``hdf5_vs_dcp.py``,
-``protocol.py``, ``recovery.py``, ``hp_overlap.py``) run as a subprocess that writes
-``<part>.json`` into DIR; this script then derives every ratio the goals name, prints
+Each part is its own script (``bench/bounds.py``, ``levels.py`` (twice: 4 ranks on 2 nodes,
+and the restore goal's 2 ranks x 256 MiB as ``levels_2ranks``), ``redundancy.py``,
+``hdf5_vs_dcp.py``, ``protocol.py``, ``recovery.py``, ``hp_overlap.py``) run as a subprocess
+that writes ``<part>.json`` into DIR; this script then derives every ratio the goals name, prints
 ``name: value (ratio to X = r)`` lines, and writes ``DIR/run.json`` (figures + the parts +
 the machine) and PNG plots (matplotlib).
 """
@@ -33,6 +34,15 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
     # on a larger machine run bench/levels.py --sizes-mib 1,16,64,256,1024 directly
     "levels": (["--sizes-mib", "1,16,64,256"], ["--quick"],
                ["--quick", "--sizes-mib", "1", "--repeat", "1"]),
+    # the restore goal's own setting: 2 ranks (one per node) x 256 MiB, local level only
+    "levels_2ranks": (["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
+                       "--sizes-mib", "256", "--repeat", "5", "--name", "levels_2ranks"],
+                      ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
+                       "--sizes-mib", "16", "--name", "levels_2ranks"],
+                      ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
+                       "--sizes-mib", "1", "--repeat", "1", "--name", "levels_2ranks"]),
+    "redundancy": (["--repeat", "5"], ["--size-mib", "16"],
+                   ["--ranks", "2", "--size-mib", "1", "--repeat", "1"]),
     "hdf5_vs_dcp": (["--size-mib", "256"], ["--quick", "--ranks", "2"],
                     ["--quick", "--ranks", "2", "--size-mib", "4", "--repeat", "1"]),
     "protocol": ([], ["--quick"], ["--quick", "--ranks-list", "2,4", "--saves", "4"]),
@@ -40,10 +50,14 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "hp_overlap": ([], ["--steps", "20"], ["--steps", "4", "--hidden", "32", "--seq", "16"]),
 }
 
+#: parts run by another part's script (with their own arguments and report name)
+SCRIPTS = {"levels_2ranks": "levels"}
+
 
 def run_part(name: str, extra: list[str], out: Path) -> tuple[dict[str, Any], float]:
     """Run ``bench/<name>.py``; returns its JSON and wall seconds (raises on failure)."""
-    cmd = [sys.executable, str(HERE / f"{name}.py"), *extra, "--out", str(out)]
+    cmd = [sys.executable, str(HERE / f"{SCRIPTS.get(name, name)}.py"), *extra,
+           "--out", str(out)]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, check=False, timeout=3600, text=True, capture_output=True)

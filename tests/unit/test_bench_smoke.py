@@ -110,13 +110,24 @@ def test_hdf5_vs_dcp_part(smoke: dict[str, Any]) -> None:
         assert "GB/s" in line and "goal >= 1.5" in line, line
 
 
-@pytest.mark.timeout(TIMEOUT + 30)
-def test_redundancy_tiny(tmp_path: Path) -> None:
-    rep = _run("redundancy.py", tmp_path, "--ranks", "2", "--size-mib", "1", "--repeat", "1")
+def test_redundancy_part(smoke: dict[str, Any]) -> None:
+    rep = smoke["parts"]["redundancy"]
     for key in ("ratio_to_p2p", "ratio_to_min_p2p_tmpfs"):
-        _positive(rep[key], ["partner", "xor", "rs"])
-    _positive(rep["gb_per_s"], ["p2p", "tmpfs_write", "partner", "xor", "rs"])
+        _positive(rep[key], ["partner", "xor", "rs1", "rs"])
+    _positive(rep["gb_per_s"], ["p2p", "tmpfs_write", "partner", "xor", "rs1", "rs"])
     _positive(rep["level_costs_s"], ["partner", "xor", "rs"])
+    for key in ("rs_vs_xor_same_parity", "rs_vs_xor"):
+        _positive(rep[key], ["median", "min", "max"])
+    assert set(rep["rounds_s"]) == {"p2p", "tmpfs_write", "partner", "xor", "rs1", "rs"}
+    assert smoke["figures"]["rs encode[1 parity, 1 MiB]"]["goal"] == 0.7
+
+
+def test_levels_2ranks_part(smoke: dict[str, Any]) -> None:
+    rep = smoke["parts"]["levels_2ranks"]
+    assert rep["ranks"] == 2 and rep["settings"]["ranks_per_node"] == 1
+    assert list(rep["levels"]) == ["local"]
+    fig = smoke["figures"]["restore[local, 1 MiB, 2 ranks]"]
+    assert fig["goal"] == 0.4 and math.isfinite(fig["ratio"])
 
 
 def test_hp_overlap_part(smoke: dict[str, Any]) -> None:
