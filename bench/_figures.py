@@ -74,6 +74,8 @@ def redundancy(part: dict[str, Any]) -> Figures:
     gbs, parity = part["gb_per_s"], part.get("parity_blocks", {})
     for name, key, goal in (("rs1", "rs_vs_xor_same_parity", 0.7), ("rs", "rs_vs_xor", None)):
         vs = part.get(key)
+        if name == "rs" and parity.get("rs") == parity.get("rs1"):
+            continue                    # a set too small for 2 parity blocks: rs1 says it
         if isinstance(vs, dict) and name in gbs:
             value = gbs[name]
             out[f"rs encode[{parity.get(name, '?')} parity, {_mib(part)} MiB]"] = _fig(

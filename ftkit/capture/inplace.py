@@ -7,9 +7,11 @@ So the restore reads each saved tensor directly into its live counterpart when t
 one that can take the bytes as they are: the leaf at the same position of the live state
 flattened as the save flattened it, with the same path, the same kind,
 dtype and shape, in contiguous, writable CPU memory (a torch tensor that is not an
-inference tensor, or a NumPy array that holds no Python objects). Anything else (a GPU
-tensor, a tensor the state does not have yet, a strided view) gets a new buffer and is
-loaded as before (:func:`ftkit.capture.apply.load_into`).
+inference tensor, or a NumPy array that holds no Python objects). A contiguous CUDA
+counterpart is filled through one reused pinned host buffer and one host-to-device copy
+(:mod:`ftkit.capture.devicecopy`). Anything else (a tensor the state does not have yet, a
+strided view) gets a new buffer and is loaded as before
+(:func:`ftkit.capture.apply.load_into`).
 
 Writing through a NumPy view does not bump a torch tensor's version counter; restore runs
 before training resumes, and ``load_into`` then hands the very same tensors back to their
@@ -22,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ftkit.capture.devicecopy import device_target
 from ftkit.capture.flatten import Extra, TensorLeaf, flatten
 
 
@@ -36,11 +39,14 @@ def live_leaves(state: Any, extra: Extra | None = None) -> list[TensorLeaf]:
         return []
 
 
-def destination(saved: TensorLeaf, live: TensorLeaf | None) -> tuple[np.ndarray, Any]:
-    """Where ``saved``'s bytes go: ``(the live tensor's bytes as a flat writable uint8 view,
-    the live tensor)`` when ``live`` (the leaf at the same position) is its counterpart and
-    can take them, else ``(a new uint8 buffer, None)``. Paths are compared too, but they do
-    not identify a leaf alone (``{"a/b": x}`` and ``{"a": {"b": y}}`` print alike)."""
+def destination(saved: TensorLeaf, live: TensorLeaf | None) -> tuple[Any, Any]:
+    """Where ``saved``'s bytes go, and the tensor that holds them afterwards: when ``live``
+    (the leaf at the same position) is its counterpart, ``(the live tensor's bytes as a flat
+    writable uint8 NumPy view, the live tensor)`` on the CPU, ``(its bytes as a flat uint8
+    torch view, the live tensor)`` on a GPU (read through
+    :class:`ftkit.capture.devicecopy.DeviceLanding`); else ``(a new uint8 buffer, None)``.
+    Paths are compared too, but they do not identify a leaf alone (``{"a/b": x}`` and
+    ``{"a": {"b": y}}`` print alike)."""
     if live is not None and (live.path, live.kind, live.dtype, tuple(live.shape),
                              live.nbytes) == (saved.path, saved.kind, saved.dtype,
                                               tuple(saved.shape), saved.nbytes) \
@@ -48,6 +54,9 @@ def destination(saved: TensorLeaf, live: TensorLeaf | None) -> tuple[np.ndarray,
         view = _bytes_of(live.source)
         if view is not None and view.nbytes == saved.nbytes:
             return view, live.source
+        device = device_target(live.source)
+        if device is not None and device.numel() == saved.nbytes:
+            return device, live.source
     return np.empty(saved.nbytes, dtype=np.uint8), None
 
 

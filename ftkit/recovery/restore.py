@@ -23,6 +23,7 @@ import numpy as np
 
 from ftkit.capture import loaders
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
+from ftkit.capture.devicecopy import DeviceLanding
 from ftkit.capture.flatten import DecodeError, leaf_from_bytes, unflatten
 from ftkit.capture.inplace import destination, live_leaves
 from ftkit.comm.dist import DistComm, describe
@@ -307,7 +308,7 @@ class _Reading:
     """Where each tensor of a shard goes (``dests``: live tensors' bytes or new buffers)
     and the state tree over them."""
 
-    dests: list[np.ndarray]
+    dests: list[Any]            # np.ndarray (host bytes) or a flat uint8 CUDA tensor
     tree: dict[str, Any]
 
 
@@ -336,11 +337,20 @@ def _read_checked(shard: Shard, reading: _Reading, rank: int, step: int) -> None
     """Read every tensor of ``shard`` into its destination, each checked against its
     checksum on the bytes read (:meth:`Shard.read_into`). CorruptCheckpointError naming the
     file and the tensor on a mismatch. Local."""
-    for i, dest in enumerate(reading.dests):
-        if not shard.read_into(i, dest):
-            raise CorruptCheckpointError(
-                str(shard.path), f"checksum mismatch in tensor {shard.tensors[i]['path']} "
-                f"while loading", rank=rank, step=step)
+    landing = DeviceLanding()
+    try:
+        for i, dest in enumerate(reading.dests):
+            if isinstance(dest, np.ndarray):
+                ok = shard.read_into(i, dest)
+            else:                         # a GPU tensor: through a reused pinned buffer
+                landing.start(dest)
+                ok = shard.read_through(i, landing)
+            if not ok:
+                raise CorruptCheckpointError(
+                    str(shard.path), f"checksum mismatch in tensor "
+                    f"{shard.tensors[i]['path']} while loading", rank=rank, step=step)
+    finally:
+        landing.finish()
 
 
 def apply_agreed(dc: DistComm, state: MutableMapping[str, Any], tree: dict[str, Any],

@@ -27,7 +27,7 @@ import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import numpy as np
 import xxhash
@@ -337,6 +337,18 @@ def _link_target(path: Path) -> str:
         return "?"
 
 
+class Landing(Protocol):
+    """Where :meth:`Shard.read_through` puts a tensor's bytes, piece by piece."""
+
+    piece: int
+
+    def buffer(self, n: int) -> np.ndarray:
+        """A writable uint8 buffer of ``n`` bytes (<= piece) for the next piece."""
+
+    def land(self, offset: int, piece: np.ndarray) -> None:
+        """``piece`` (from :meth:`buffer`) holds the tensor's bytes from ``offset``."""
+
+
 class Shard:
     """A validated, memory-mapped shard. ``open`` checks the preamble and header only;
     :meth:`verify` checks every tensor's checksum; :meth:`array` returns a zero-copy view."""
@@ -448,18 +460,38 @@ class Shard:
         pass, hashing each chunk as it lands (still in cache); True when the checksum
         matches. From the file with ``preadv`` (no page faults on a mapping) when the shard
         was opened from one, else from the buffer. OSError when the file cannot be read."""
+        t, h = self.tensors[index], xxhash.xxh3_64()
+        self._read_range(index, 0, dest[:t["nbytes"]], h)
+        passes.count("copy", t["nbytes"])      # the hash rides on the copy's pass
+        return XXH3 + h.hexdigest() == t["checksum"]
+
+    def read_through(self, index: int, landing: Landing) -> bool:
+        """Read tensor ``index`` in pieces of at most ``landing.piece`` bytes, each into
+        ``landing.buffer(n)`` and then handed to ``landing.land(offset, piece)`` (e.g. copied
+        to a GPU), hashing as :meth:`read_into` does; True when the checksum matches. The
+        landing may still be using earlier pieces when this returns. OSError when the file
+        cannot be read."""
+        t, h = self.tensors[index], xxhash.xxh3_64()
+        n = t["nbytes"]
+        for at in range(0, n, landing.piece):
+            piece = landing.buffer(min(landing.piece, n - at))
+            self._read_range(index, at, piece, h)
+            landing.land(at, piece)
+        passes.count("copy", n)
+        return XXH3 + h.hexdigest() == t["checksum"]
+
+    def _read_range(self, index: int, start: int, out: np.ndarray, h: Any) -> None:
+        """Bytes ``start .. start + len(out)`` of tensor ``index`` into ``out``, fed to the
+        hash ``h`` chunk by chunk as they land."""
         t = self.tensors[index]
-        n, base = t["nbytes"], t["offset"]
-        h = xxhash.xxh3_64()
-        for a in range(0, n, READ_CHUNK):
-            part = dest[a:min(n, a + READ_CHUNK)]
+        base = t["offset"] + start
+        for a in range(0, len(out), READ_CHUNK):
+            part = out[a:a + READ_CHUNK]
             if self._fd is None:
-                np.copyto(part, self.raw(index)[a:a + len(part)])
+                np.copyto(part, self.raw(index)[start + a:start + a + len(part)])
             elif os.preadv(self._fd, [part.data], base + a) != len(part):
                 raise OSError(f"{self.path}: short read of tensor {t['path']}")
             h.update(part.data)
-        passes.count("copy", n)                # the hash rides on the copy's pass
-        return XXH3 + h.hexdigest() == t["checksum"]
 
     def bad_tensors(self) -> list[str]:
         """Paths of tensors whose checksum does not match (full read of the data)."""
