@@ -450,6 +450,7 @@ class Checkpointer:
         if self.last_committed is None:
             keep |= {max((s for s in self.local.steps() if self.local.is_committed(s)),
                          default=step)}
+        self.local.release(keep)
         self.local.retain(keep, superseded_by=self.last_committed)
 
     def _after_restore(self, found: recovery.Discovery, step: int, level: str) -> None:

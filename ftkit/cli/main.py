@@ -432,7 +432,8 @@ _PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal",
                       r"events\.jsonl|RUN|LOCK|\.done-attempt-\d+(\.pending)?|\.stop-request"
                       rf"|slurm-slots\.(json|tmp)|{_TMP}")
 _LOCAL_LAYOUT = _Layout(r"node-\d+", "",
-                        _Layout(r"(parked-)?step-\d+", rf"LOCK|\.probe-rank-\d+|{_TMP}"))
+                        _Layout(r"(parked-)?step-\d+|slots",
+                                rf"LOCK|\.probe-rank-\d+|{_TMP}"))
 
 
 def _clean_targets(cfg: Config) -> dict[Path, _Layout]:

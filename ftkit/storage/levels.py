@@ -45,7 +45,9 @@ class Levels:
         return cls(local, partner, erasure, sets, parity, partners)
 
     def free(self) -> None:
-        """Release the communicators the levels own (local call)."""
+        """Release the communicators the levels own and unmap the local level's slots
+        (local call)."""
+        self.local.close()
         if self.partner is not None:
             self.partner.dc.free()
         for level in self.erasure.values():

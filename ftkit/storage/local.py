@@ -1,5 +1,8 @@
 """Node-local level: ``$FTKIT_LOCAL_DIR/<job>/node-<id>/step-<s>/rank-<r>.ftk``.
 
+A rank's shard is written into one of its reused files under ``node-<id>/slots/`` and
+published in its step directory as a hard link (:mod:`ftkit.storage.slots`).
+
 A step directory without ``COMMITTED`` holds tentative shards; with it, permanent ones.
 Retention: when the tentative version of step ``s`` is started, the node leader drops every
 version older than the newest permanent one. So the level holds at most two versions at any
@@ -34,6 +37,7 @@ from ftkit.storage.private import (
     remove_entry,
 )
 from ftkit.storage.shard import Shard, fsync_dir, write_atomic, write_shard
+from ftkit.storage.slots import Slots
 from ftkit.storage.stepnames import PARKED, STEP, step_name, step_number
 from ftkit.testing.faults import Faults
 
@@ -75,6 +79,7 @@ class LocalLevel(Level):
         self.rank = rank
         self.node_leader = node_leader
         self.faults = faults
+        self.slots = Slots(root, rank)           # reused shard files (storage/slots.py)
         root.relative_to(self.base)             # ValueError: the tree must be below the base
 
     @classmethod
@@ -152,11 +157,16 @@ class LocalLevel(Level):
                 f"{self.rank}); steps must increase, so it is kept and not overwritten"))
         try:
             self.ensure_step_dir(step)
-            write_shard(path, meta, tree, leaves, buffers)
+            if not self.slots.write(path, meta, tree, leaves, buffers):
+                write_shard(path, meta, tree, leaves, buffers)
         except OSError as exc:
             raise StorageError(str(path), exc, rank=self.rank, step=step, level=self.name) \
                 from exc
         self.faults.after_write(path, level=self.name, step=step)
+
+    def close(self) -> None:
+        """Unmap this rank's slots (their files stay for the next run). Local."""
+        self.slots.close()
 
     def record_commit(self, step: int, record: dict[str, Any]) -> None:
         """Coordinator: durably record the decision. If any part fails (even the directory
@@ -200,6 +210,15 @@ class LocalLevel(Level):
     def is_committed(self, step: int) -> bool:
         """A regular ``COMMITTED`` file in this node's private directory of ``step``."""
         return self.file_problem(self.step_dir(step) / COMMITTED) is None
+
+    def release(self, keep: set[int]) -> None:
+        """Every rank, right before it writes a step: unlink its own shard of every step
+        not in ``keep`` (the steps :meth:`retain` is about to remove on the node leader),
+        so its slot is free for this write whichever rank runs first. Not during a restore:
+        the leader parks steps there, which must keep every file. Local."""
+        for step in self.steps():
+            if step not in keep and self._step_problem(step) is None:
+                remove_entry(self.shard_path(step))
 
     def retain(self, keep: set[int], *, superseded_by: int | None = None) -> None:
         """Node leader: remove every step directory not in ``keep``, and every parked step

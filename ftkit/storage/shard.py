@@ -65,10 +65,20 @@ def _align(n: int) -> int:
 
 def build_header(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
                  buffers: list[np.ndarray]) -> tuple[bytes, list[int]]:
-    """Header bytes and data offsets for ``leaves`` whose bytes are ``buffers`` (pure)."""
-    entries: list[dict[str, Any]] = [{"path": lf.path, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape),
-                "nbytes": lf.nbytes, "checksum": checksum(buf)}
-               for lf, buf in zip(leaves, buffers)]
+    """Header bytes and data offsets for ``leaves`` whose bytes are ``buffers`` (a ``hash``
+    pass over them)."""
+    return layout(meta, tree, leaves, [checksum(buf) for buf in buffers])
+
+
+def layout(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
+           sums: list[str]) -> tuple[bytes, list[int]]:
+    """Header bytes and data offsets of a shard of ``leaves`` with checksums ``sums``
+    (pure). Every checksum string has the same length, so the header's length and the
+    offsets do not depend on their values (:mod:`ftkit.storage.slots` lays a shard out
+    with placeholders, then fills them in)."""
+    entries: list[dict[str, Any]] = [
+        {"path": lf.path, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape),
+         "nbytes": lf.nbytes, "checksum": digest} for lf, digest in zip(leaves, sums)]
     # offsets depend on the header length, which depends on the offsets' digits: iterate
     offsets = [0] * len(entries)
     for _ in range(4):
@@ -87,11 +97,16 @@ def build_header(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
     raise AssertionError("shard header offsets did not converge")
 
 
+def preamble(head: bytes) -> bytes:
+    """The preamble (magic, version, header length and checksum) followed by ``head``."""
+    return _PREAMBLE.pack(MAGIC, VERSION, len(head), xxhash.xxh3_64_intdigest(head)) + head
+
+
 def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
                 buffers: list[np.ndarray]) -> int:
     """Atomically write a shard to ``path`` (temp file, fsync, rename). Returns its size."""
     head, offsets = build_header(meta, tree, leaves, buffers)
-    start = _PREAMBLE.pack(MAGIC, VERSION, len(head), xxhash.xxh3_64_intdigest(head)) + head
+    start = preamble(head)
 
     def pieces() -> Iterator[Any]:
         pos = len(start)

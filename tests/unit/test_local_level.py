@@ -17,6 +17,7 @@ import torch
 from ftkit.capture.flatten import flatten, leaf_from_bytes, unflatten
 from ftkit.capture.staging import Stager
 from ftkit.errors import CorruptCheckpointError
+from ftkit.storage import slots
 from ftkit.storage.level import Level
 from ftkit.storage.local import COMMITTED, LocalLevel, make_private_dir, write_record
 from ftkit.storage.shard import leaves_of
@@ -212,6 +213,10 @@ def test_retain_removes_only_unkept_steps_on_leader(root: Path) -> None:
     (root / "step-abc").mkdir()
     follower.retain({3, 4})
     assert leader.steps() == [1, 2, 3, 4]       # non-leader never deletes
+    assert all(follower.shard_path(step).exists() for step in (1, 2, 3, 4))
+    follower.release({3, 4})                    # before a write: only its own shards go
+    for step in (1, 2):
+        assert not follower.shard_path(step).exists() and leader.shard_path(step).exists()
     leader.retain({3, 4})
     assert leader.steps() == [3, 4]
     assert (root / "notes.txt").read_text() == "keep me"
@@ -259,6 +264,7 @@ def test_enospc_leaves_nothing_partial(root: Path, monkeypatch: pytest.MonkeyPat
         return real_write(fd, data)
 
     with monkeypatch.context() as m:
+        m.setattr(slots, "MAX_SLOTS", 0)          # the plain-file path (slots: test_slots)
         m.setattr(os, "write", full_disk)
         with pytest.raises(OSError) as info:
             _write(level, 2, nbytes=1 << 16)
@@ -284,6 +290,7 @@ def test_enospc_rewriting_same_step_keeps_old_shard(root: Path,
     def full_disk(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    monkeypatch.setattr(slots, "MAX_SLOTS", 0)       # the plain-file path
     monkeypatch.setattr(os, "write", full_disk)
     with pytest.raises(OSError):
         _write(level, 5, fill=2)

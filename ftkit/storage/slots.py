@@ -1,0 +1,209 @@
+"""Reused shard files ("slots") of the node-local level: no new file, no freed pages per save.
+
+A node-local save used to write each rank's shard into a new tmpfs file and, two steps
+later, unlink it: every save paid the kernel's first touch of fresh pages (~0.5 GB/s here)
+and the unlink. Now each rank keeps its shard versions in files of its own,
+``<node>/slots/rank-<r>.<k>.slot``, allocated once (``posix_fallocate``), mapped once and
+overwritten in place by later steps. The shard of step ``s`` is published as a *hard link*
+``step-<s>/rank-<r>.ftk`` to its slot, so every reader, tool and redundancy level sees the
+step directories exactly as before (``docs/formats.md``).
+
+A slot is **free** when no step directory names it: its link count is 1 (only its name
+under ``slots/``). Retention, discard and ``ftkit clean`` remove step directories as before;
+that drops the link and frees the slot, without freeing its pages.
+
+**Crash safety.** (1) Only a free slot is ever written: its inode is not the shard of any
+step, so overwriting it cannot touch a committed (or any other) step; only this rank
+creates links to its slots, and it checks the link count right before it writes. (2) The
+step's name is created (a ``link`` under a temp name, renamed into place) only after every
+byte and the header are in the slot and flushed (``msync`` + ``fsync``): a crash before it leaves the step without this rank's shard
+(it never votes yes), a crash after it leaves a complete, verifiable shard in a step
+without ``COMMITTED``. (3) The ``COMMITTED`` record stays the only commit point. (4) A slot
+whose write was interrupted is free garbage: the next save overwrites it whole.
+
+One pass: each tensor's staged bytes are copied into the mapped slot and hashed chunk by
+chunk as they land (:func:`ftkit.storage.shard.layout` reserves the header's room first:
+its checksums have a fixed width, so the header written afterwards has exactly that
+length). At most :data:`MAX_SLOTS` slots per rank; when none is free (a PFS flush still
+reads an older step) a new one is made, and with the maximum reached the shard is written
+as a plain new file. Local.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ftkit import passes
+from ftkit.capture.flatten import TensorLeaf
+from ftkit.storage.private import ensure_private_dir
+from ftkit.storage.shard import READ_CHUNK, XXH3, fsync_dir, layout, preamble
+
+log = logging.getLogger(__name__)
+#: directory of the slots, under the node directory (not a step directory)
+SLOTS = "slots"
+#: slots one rank may hold (two versions, one more while a PFS flush reads an older one,
+#: one spare); beyond it a shard is written as a plain new file
+MAX_SLOTS = 4
+_PLACEHOLDER = XXH3 + "0" * 16
+
+
+@dataclass
+class _Mapped:
+    """An open, mapped slot (kept across saves)."""
+
+    fd: int
+    ino: int
+    mm: mmap.mmap
+
+
+class Slots:
+    """The slots of one rank in one node directory."""
+
+    def __init__(self, node_root: Path, rank: int) -> None:
+        self.dir = node_root / SLOTS
+        self.rank = rank
+        self._open: dict[Path, _Mapped] = {}
+
+    def path(self, k: int) -> Path:
+        return self.dir / f"rank-{self.rank}.{k}.slot"
+
+    def write(self, target: Path, meta: dict[str, Any], tree: Any,
+              leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> bool:
+        """Write the shard into a free slot and publish it as ``target`` (atomically
+        replacing what ``target`` named). False, having written nothing, when no slot may
+        be used (the caller writes a plain file). OSError on a failed write; ``target`` is
+        then untouched."""
+        head, offsets = layout(meta, tree, leaves, [_PLACEHOLDER] * len(leaves))
+        size = offsets[-1] + leaves[-1].nbytes if leaves else len(preamble(head))
+        slot = self._free(size)
+        if slot is None:
+            return False
+        m = self._map(slot, size)
+        sums = [_copy_hashed(m.mm, off, buf) for off, buf in zip(offsets, buffers)]
+        final, again = layout(meta, tree, leaves, sums)
+        if len(final) != len(head) or again != offsets:
+            raise AssertionError("shard header changed length with its checksums")
+        start = preamble(final)
+        m.mm[:len(start)] = start
+        _zero_gaps(m.mm, len(start), offsets, [lf.nbytes for lf in leaves], size)
+        m.mm.flush()
+        os.fsync(m.fd)
+        _publish(slot, target)
+        return True
+
+    def _free(self, size: int) -> Path | None:
+        """A free slot (link count 1), best one of ``size`` bytes, else a new one; None
+        when MAX_SLOTS exist and none is free."""
+        ensure_private_dir(self.dir)
+        free, taken = [], set()
+        for k in range(MAX_SLOTS):
+            try:
+                st = os.lstat(self.path(k))
+            except FileNotFoundError:
+                continue
+            taken.add(k)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
+                free.append((st.st_size != size, k))
+        if free:
+            return self.path(min(free)[1])
+        new = next((k for k in range(MAX_SLOTS) if k not in taken), None)
+        if new is None:
+            log.debug("rank %d: all %d slots in use; writing a plain file", self.rank,
+                      MAX_SLOTS)
+        return None if new is None else self.path(new)
+
+    def _map(self, slot: Path, size: int) -> _Mapped:
+        """The slot mapped writable at ``size`` bytes (created and allocated if new,
+        resized if its size differs); cached while the file stays the same."""
+        m = self._open.get(slot)
+        try:
+            st = os.lstat(slot)
+        except FileNotFoundError:
+            st = None
+        if m is not None and (st is None or st.st_ino != m.ino or len(m.mm) != size):
+            self._drop(slot)
+            m = None
+        if m is None:
+            fd = os.open(slot, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)       # pages now, not at first touch
+                m = _Mapped(fd, os.fstat(fd).st_ino, mmap.mmap(fd, size))
+            except BaseException:
+                os.close(fd)
+                if st is None:                # made here: a full disk keeps no stub
+                    slot.unlink(missing_ok=True)
+                raise
+            self._open[slot] = m
+        return m
+
+    def _drop(self, slot: Path) -> None:
+        m = self._open.pop(slot, None)
+        if m is not None:
+            m.mm.close()
+            os.close(m.fd)
+
+    def close(self) -> None:
+        """Unmap and close every slot (the files stay)."""
+        for slot in list(self._open):
+            self._drop(slot)
+
+
+def _publish(slot: Path, target: Path) -> None:
+    """Make ``target`` name the slot's inode atomically: a new hard link under a fresh
+    temp name in ``target``'s directory, renamed over ``target`` (what it named before
+    stays until then, and nothing is ever written through a link planted there)."""
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.link(slot, tmp)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temp name for {target}")
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def _copy_hashed(mm: mmap.mmap, offset: int, buf: np.ndarray) -> str:
+    """Copy ``buf`` into ``mm`` at ``offset``, hashing each chunk as it lands; its
+    checksum string. One ``write`` pass."""
+    src = buf.reshape(-1).view(np.uint8)
+    if not len(src):
+        return XXH3 + xxhash.xxh3_64_hexdigest(b"")
+    dst = np.frombuffer(mm, dtype=np.uint8, count=len(src), offset=offset)
+    h = xxhash.xxh3_64()
+    for a in range(0, len(src), READ_CHUNK):
+        part = dst[a:a + READ_CHUNK]
+        np.copyto(part, src[a:a + READ_CHUNK])
+        h.update(part.data)
+    passes.count("write", len(src))
+    return XXH3 + h.hexdigest()
+
+
+def _zero_gaps(mm: mmap.mmap, start: int, offsets: list[int], sizes: list[int],
+               size: int) -> None:
+    """Zero the padding between the header and the tensors (a reused slot holds old bytes
+    there), so a shard's bytes depend only on its content."""
+    pos = start
+    for off, n in zip(offsets, sizes):
+        if off > pos:
+            mm[pos:off] = bytes(off - pos)
+        pos = off + n
+    if size > pos:
+        mm[pos:size] = bytes(size - pos)

@@ -1,0 +1,178 @@
+"""ftkit.storage.slots through the node-local level: shards written into reused files and
+published as hard links; a slot named by any step is never written; failures leave no name
+and nothing committed changes; one write pass with the checksum riding on it."""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ftkit import passes
+from ftkit.capture.flatten import flatten
+from ftkit.capture.staging import Stager
+from ftkit.storage import slots
+from ftkit.storage.local import LocalLevel
+from ftkit.storage.shard import Shard, write_shard
+from ftkit.testing.faults import Faults
+
+WORLD = 2
+
+
+def _level(root: Path, rank: int = 0) -> LocalLevel:
+    level = LocalLevel(root, rank=rank, node_leader=True,
+                       faults=Faults("", rank=rank, node=0, attempt=0))
+    level.prepare()
+    return level
+
+
+def _parts(step: int, rank: int, n: int) -> tuple[dict[str, Any], Any, list[Any], Any]:
+    state = {"w": torch.arange(n, dtype=torch.float32) * step, "b": np.full(5, step, np.int16),
+             "e": torch.empty(0), "step": step}
+    tree, leaves = flatten(state)
+    meta = {"job": "unit", "step": step, "rank": rank, "world": WORLD}
+    return meta, tree, leaves, Stager().capture(leaves)
+
+
+def _write(level: LocalLevel, step: int, n: int = 1000) -> None:
+    level.write_tentative(step, *_parts(step, level.rank, n))
+
+
+def _commit(level: LocalLevel, step: int) -> None:
+    record = {"step": step, "decision": "commit", "world": WORLD}
+    level.record_commit(step, record)
+    level.commit(step, record)
+
+
+def _slot_files(level: LocalLevel) -> list[str]:
+    return sorted(p.name for p in level.slots.dir.iterdir())
+
+
+def _check(level: LocalLevel, step: int) -> None:
+    level.check_shard(step, WORLD)                       # header, identity, every checksum
+    with level.open_shard(step) as shard:
+        w = np.frombuffer(shard.raw(0), dtype=np.float32)
+    assert np.array_equal(w, np.arange(len(w), dtype=np.float32) * step)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "local" / "job" / "node-0"
+
+
+def test_a_superseded_steps_slot_is_reused_in_place(root: Path) -> None:
+    level = _level(root)
+    for step in (1, 2):
+        _write(level, step)
+        _commit(level, step)
+    first = os.stat(level.shard_path(1)).st_ino
+    assert os.stat(level.shard_path(1)).st_nlink == 2          # the step's name + the slot
+    level.retain({2})                                       # step 1 superseded: slot free
+    _write(level, 3)
+    assert os.stat(level.shard_path(3)).st_ino == first         # same file, overwritten
+    assert _slot_files(level) == ["rank-0.0.slot", "rank-0.1.slot"]
+    for step in (2, 3):
+        _check(level, step)
+    level.close()
+
+
+def test_a_slot_named_by_a_step_is_never_written(root: Path) -> None:
+    level = _level(root)
+    for step in (1, 2):
+        _write(level, step)
+        _commit(level, step)
+    before = {s: level.shard_path(s).read_bytes() for s in (1, 2)}
+    _write(level, 3)                                 # nothing retired: a third slot
+    assert len(_slot_files(level)) == 3
+    assert {s: level.shard_path(s).read_bytes() for s in (1, 2)} == before
+    _check(level, 3)
+
+
+def test_all_slots_in_use_falls_back_to_a_plain_file(root: Path) -> None:
+    level = _level(root)
+    for step in range(1, slots.MAX_SLOTS + 2):
+        _write(level, step)
+    assert len(_slot_files(level)) == slots.MAX_SLOTS
+    last = level.shard_path(slots.MAX_SLOTS + 1)
+    assert os.stat(last).st_nlink == 1
+    _check(level, slots.MAX_SLOTS + 1)
+
+
+def test_a_slot_shard_is_byte_identical_to_a_plain_one(root: Path, tmp_path: Path) -> None:
+    """Also when the reused slot held a larger shard before (old bytes in the gaps)."""
+    level = _level(root)
+    _write(level, 1, n=5000)
+    level.retain(set())                            # step 1 gone: its larger slot is free
+    _write(level, 2, n=999)
+    plain = tmp_path / "plain.ftk"
+    write_shard(plain, *_parts(2, 0, 999))
+    assert level.shard_path(2).read_bytes() == plain.read_bytes()
+    assert _slot_files(level) == ["rank-0.0.slot"]
+
+
+def test_a_failed_write_leaves_no_name_and_the_committed_step(root: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    level = _level(root)
+    _write(level, 1)
+    _commit(level, 1)
+    _write(level, 2)
+    _commit(level, 2)
+    level.retain({2})
+    committed = level.shard_path(2).read_bytes()
+    calls = {"n": 0}
+    real = slots._copy_hashed
+
+    def dies_midway(mm: Any, offset: int, buf: np.ndarray) -> str:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.EIO, "simulated crash while copying")
+        return real(mm, offset, buf)
+
+    with monkeypatch.context() as m:
+        m.setattr(slots, "_copy_hashed", dies_midway)
+        with pytest.raises(OSError):
+            _write(level, 3)
+    assert not level.shard_path(3).exists()
+    assert not [p for p in level.step_dir(3).iterdir()]       # no temp name left either
+    assert level.shard_path(2).read_bytes() == committed
+    _write(level, 3)                                          # the half-written slot: reused
+    _check(level, 3)
+    assert len(_slot_files(level)) == 2
+
+
+def test_a_full_disk_for_a_new_slot_leaves_nothing(root: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    level = _level(root)
+    _write(level, 1)
+    _commit(level, 1)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "posix_fallocate", full)
+        with pytest.raises(OSError) as info:
+            _write(level, 2)
+    assert info.value.errno == errno.ENOSPC
+    assert _slot_files(level) == ["rank-0.0.slot"]            # no stub of the new slot
+    assert not level.shard_path(2).exists()
+    _check(level, 1)
+
+
+def test_a_local_write_is_one_pass(root: Path) -> None:
+    level = _level(root)
+    _write(level, 1, n=1 << 16)                # the first one creates the slot
+    level.retain(set())
+    args = _parts(2, 0, 1 << 16)
+    state_bytes = sum(leaf.nbytes for leaf in args[2])
+    before = passes.snapshot()
+    level.write_tentative(2, *args)
+    moved = passes.since(before)
+    assert moved["write"] == state_bytes and moved["hash"] == 0 and moved["copy"] == 0
+    with Shard.open(level.shard_path(2), rank=0, step=2) as shard:
+        shard.verify()
