@@ -15,6 +15,8 @@ LEVEL_BOUND = {"local": ("tmpfs_write", 0.8), "partner": ("p2p_same_node", 0.7),
 #: a whole node-local restore (new Checkpointer, every byte verified) against a memcpy of
 #: the same bytes per rank
 RESTORE_BOUND = {"local": ("memcpy", 0.4)}
+#: a whole synchronous node-local save (steady state) against a memcpy of the same bytes
+SAVE_MEMCPY_GOAL = {"local": 0.45}
 
 
 def _fig(value: float, unit: str, to: str | None = None, base: float | None = None,
@@ -48,6 +50,12 @@ def levels(part: dict[str, Any], bound: dict[str, float], tag: str = "") -> Figu
             value = float(size) * 2**20 / 1e9 / inc
         to, goal = LEVEL_BOUND.get(level, (None, None))
         out[f"save[{level}, {size} MiB{tag}]"] = _fig(value, "GB/s", to, bound.get(to or ""), goal)
+    for level, per_size in part.get("save_vs_memcpy", {}).items():
+        size, vs = _largest(per_size)
+        value = part["save_gb_per_s"][level][size]
+        out[f"save vs memcpy[{level}, {size} MiB{tag}]"] = _fig(
+            value, "GB/s", "memcpy (same rounds, median)", value / vs["median"],
+            SAVE_MEMCPY_GOAL.get(level))
     for level, per_size in part["restore_gb_per_s"].items():
         size, value = _largest(per_size)
         to, goal = RESTORE_BOUND.get(level, (None, None))

@@ -16,8 +16,11 @@ PFS flush included) with its node-local directory in a private /dev/shm director
 directory in a private one under the system temp dir measures, best of --repeat, each timed
 from a barrier to a barrier:
 
-* save: ``save(step, state)`` at steps 1, 2, ...; ``increment`` = save of the level - save of
-  plain local at the same size (what the level itself costs; noise can make it negative);
+* save: ``save(step, state)`` at steps 1, 2, ... (2 untimed warm-up saves create the files;
+  the state changes between saves, untimed), each timed round preceded by a memcpy of the
+  same bytes on the same ranks (``save_vs_memcpy``: median, min, max of the per-round
+  ratios); ``increment`` = save of the level - save of plain local at the same size (what
+  the level itself costs; noise can make it negative);
 * restore: ``restore(state)`` of a fresh Checkpointer, the state scrambled first and checked
   bit-exact afterwards. local: every file present; partner / xor / rs: the node-local
   directory of the last node removed first (rebuilt over MPI); pfs: every node-local
@@ -44,6 +47,8 @@ import _mpi
 
 RANKS_PER_NODE = 2
 N_TENSORS = 4
+#: untimed saves before the timed ones (the first saves create the slot files)
+WARMUP = 2
 LEVELS = {"local": "local:1", "partner": "local:1,partner:1", "xor": "local:1,xor:1",
           "rs": "local:1,rs:1", "pfs": "local:1,pfs:1"}
 SIZES, QUICK_SIZES = "1,16,64,256,1024", "1,16"
@@ -91,17 +96,41 @@ def _no_room(level: str, nbytes: int, world: int, settings: dict[str, int]) -> s
 
 # ---------------------------------------------------------------------- measuring
 def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
-          ) -> tuple[float, dict[str, Any]]:
-    """Best seconds of ``repeat`` saves, and the costs of one more (:func:`_mpi.costs`)."""
+          ) -> tuple[float, dict[str, Any], list[float], int]:
+    """Steady-state saves (after :data:`WARMUP` untimed ones, which create the files):
+    best seconds of ``repeat`` rounds, the costs of one more save (:func:`_mpi.costs`), per
+    round the ratio memcpy / save (a memcpy of the same bytes on the same ranks timed just
+    before each save), and the last step saved. Between saves the state changes (every
+    tensor negated, untimed); the last save holds it as it was."""
+    import numpy as np
+
     from ftkit import Checkpointer
     ckpt = Checkpointer(topo, cfg)
     steps = itertools.count(1)
+    src = np.ones(_state_bytes(state), dtype=np.uint8)
+    dst = np.zeros_like(src)                       # both touched: no first-touch faults
+    best, ratios = float("inf"), []
     try:
-        best = _mpi.best_of(topo.comm, lambda: ckpt.save(next(steps), state), repeat)
-        return best, _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
-                                _state_bytes(state))
+        for _ in range(WARMUP):
+            ckpt.save(next(steps), state)
+        for _ in range(repeat):
+            _negate(state)
+            copy = _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
+            seconds = _mpi.timed(topo.comm, lambda: ckpt.save(next(steps), state))
+            best = min(best, seconds)
+            ratios.append(copy / seconds)
+        if repeat % 2:
+            _negate(state)
+        cost = _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
+                          _state_bytes(state))
+        return best, cost, ratios, next(steps) - 1
     finally:
         ckpt.close()
+
+
+def _negate(state: dict[str, Any]) -> None:
+    for t in state.values():
+        t.neg_()
 
 
 def _spread(values: list[float]) -> dict[str, Any]:
@@ -139,15 +168,15 @@ def _restore_once(topo: Any, cfg: Any, state: dict[str, Any], lost: list[int],
     return figure, got[0]
 
 
-def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int
-             ) -> tuple[float, dict[str, Any], list[float]]:
+def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int,
+             want: int) -> tuple[float, dict[str, Any], list[float]]:
     """Best seconds of restoring the newest step after the level's loss (``repeat``
     rounds), the costs of one more, and per round the ratio memcpy / restore, a memcpy of
     the same bytes on the same ranks timed just before each restore (alternating); the state
     checked every time."""
     import numpy as np
     lost = {"local": [], "pfs": topo.nodes}.get(level, topo.nodes[-1:])
-    best, want = float("inf"), repeat + 1          # _save saved steps 1 .. repeat + 1
+    best = float("inf")                            # ``want``: the newest step saved
     src = np.ones(_state_bytes(state), dtype=np.uint8)
     dst = np.zeros_like(src)                       # both touched: no first-touch faults
     ratios = []
@@ -185,7 +214,8 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
     """{"save_s"|"restore_s"|"skipped": {level: {size: value}}} (same on every rank)."""
     out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {},
                                                  "save_costs": {}, "restore_costs": {},
-                                                 "restore_vs_memcpy": {}}
+                                                 "restore_vs_memcpy": {},
+                                                 "save_vs_memcpy": {}}
     for size in args.sizes:
         state, key = _make_state(topo.rank, size << 20), str(size)
         for level in args.levels:
@@ -195,12 +225,13 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                 out["skipped"].setdefault(level, {})[key] = why
                 continue
             cfg = _config(level, size, local, pfs, settings)
-            saved = _save(topo, cfg, state, args.repeat)
-            *restored, ratios = _restore(topo, cfg, state, level, args.repeat)
+            *saved, save_ratios, last = _save(topo, cfg, state, args.repeat)
+            *restored, ratios = _restore(topo, cfg, state, level, args.repeat, last)
             for op, (seconds, cost) in (("save", saved), ("restore", restored)):
                 out[f"{op}_s"].setdefault(level, {})[key] = seconds
                 out[f"{op}_costs"].setdefault(level, {})[key] = cost
             out["restore_vs_memcpy"].setdefault(level, {})[key] = _spread(ratios)
+            out["save_vs_memcpy"].setdefault(level, {})[key] = _spread(save_ratios)
             _drop(topo, cfg)
         del state
     return out
@@ -255,9 +286,10 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
         lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
                      f"({restore[level][size]:.4f} s)")
-        vs = res["restore_vs_memcpy"][level][size]
-        lines.append(f"restore/memcpy[{level}, {size} MiB]: {vs['median']:.3f} "
-                     f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
+        for op in ("save", "restore"):
+            vs = res[f"{op}_vs_memcpy"][level][size]
+            lines.append(f"{op}/memcpy[{level}, {size} MiB]: {vs['median']:.3f} "
+                         f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
         for op in ("save", "restore"):
             lines.append(f"costs[{op}, {level}, {size} MiB]: "
                          f"{cost_line(res[f'{op}_costs'][level][size])}")
@@ -267,8 +299,8 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
         "save_s": save, "save_gb_per_s": save_gbs, "increment_s": inc,
         "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
         "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
-        "restore_vs_memcpy": res["restore_vs_memcpy"],
-        "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
+        "restore_vs_memcpy": res["restore_vs_memcpy"], "save_vs_memcpy": res["save_vs_memcpy"],
+        "warmup_saves": WARMUP, "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
         "levels": {lv: LEVELS[lv] for lv in args.levels}, "machine": _mpi.machine(),
         "command": " ".join(["python bench/levels.py",
                              *(a for a in sys.argv[1:] if a != "--child")])})

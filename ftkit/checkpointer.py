@@ -95,6 +95,7 @@ class Checkpointer:
                                            host=os.environ.get("SLURMD_NODENAME"),
                                            rank=topo.rank, node_leader=topo.is_node_leader,
                                            faults=self.faults)
+        self.local.node_ranks = set(topo.ranks_on(topo.node))
         self._prepare_dirs()
         self.claim = JobClaim(config, topo, self.dc, self.local.root)
         self.run_id = self.claim.take()
@@ -125,6 +126,7 @@ class Checkpointer:
         self._guard = OptimizerGuard(self.wait_staged)
         self._closed = False
         self._admitted = False                   # the state was checked (_admit)
+        self._state_bytes = 0                    # tensor bytes of the newest snapshot
 
     # ------------------------------------------------------------- public API
     def restore(self, state: State) -> int:
@@ -295,7 +297,7 @@ class Checkpointer:
         """How long a local wait on background work may take before the job is aborted: a
         few control timeouts plus the bulk allowance for the state's bytes (a write, copies
         or parity and a flush each move about the whole state; see ``MIN_BULK_BANDWIDTH``)."""
-        return self.config.timeout * 6 + 4 * self.stager.allocated_bytes / MIN_BULK_BANDWIDTH
+        return self.config.timeout * 6 + 4 * self._state_bytes / MIN_BULK_BANDWIDTH
 
     def _final_save(self, step: int, state: State) -> None:
         """A stop was requested (time limit near): checkpoint ``step`` on every configured
@@ -334,17 +336,26 @@ class Checkpointer:
             self._abort(f"{what} did not finish within {self._patience:g} s")
 
     def _capture(self, step: int, levels: tuple[str, ...], state: State) -> Snapshot:
+        """Flatten ``state`` and stage its tensors: CPU tensors straight into a reserved
+        slot of the node-local level when it is due (the shard's one pass; the slot is
+        freed first by releasing this rank's shards that retention drops), the rest into
+        staging buffers. A failure becomes ``snap.failure`` (this rank votes no). Local."""
         snap = Snapshot(step, levels)
         try:
             self.faults.fire("capture", step)
             tree, leaves = flatten(state, loaders.extra)
             snap.tree, snap.leaves = tree, leaves
-            snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
-                                                             step=step)
             snap.meta = {"job": self.config.job, "run": self.run_id, "step": step,
                          "rank": self.topo.rank,
                          "world": self.topo.world, "topology": self.topo.describe(),
                          "time": time.time(), "ftkit": __version__}
+            self._state_bytes = sum(leaf.nbytes for leaf in leaves)
+            into = None
+            if "local" in levels:
+                self.local.release(self._keep(step))
+                into = self.local.reserve(step, snap.meta, tree, leaves)
+            snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
+                                                             step=step, into=into)
         except Exception as exc:  # noqa: BLE001 - this rank votes no
             log.error("rank %d: capture of step %d failed: %s", self.topo.rank, step,
                       describe(exc))
@@ -446,12 +457,19 @@ class Checkpointer:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
         newest committed one on this node when this Checkpointer has not seen a commit);
         parked steps superseded by the last commit go."""
+        keep = self._keep(step)
+        self.local.release(keep)
+        self.local.retain(keep, superseded_by=self.last_committed)
+
+    def _keep(self, step: int) -> set[int]:
+        """The node-local steps kept while ``step`` is written: it, the newest committed
+        step of every level (the newest committed one on this node when this Checkpointer
+        has not seen a commit) and the steps being flushed. Local."""
         keep = {step} | set(self.level_last.values()) | self._flushing
         if self.last_committed is None:
             keep |= {max((s for s in self.local.steps() if self.local.is_committed(s)),
                          default=step)}
-        self.local.release(keep)
-        self.local.retain(keep, superseded_by=self.last_committed)
+        return keep
 
     def _after_restore(self, found: recovery.Discovery, step: int, level: str) -> None:
         """Bookkeeping after every restore, whatever level supplied ``step``: complete the

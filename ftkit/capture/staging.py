@@ -115,16 +115,19 @@ class Stager:
         return bufs
 
     def start(self, leaves: list[TensorLeaf], deferrable: Callable[[TensorLeaf], bool],
-              step: int | None = None) -> tuple[list[np.ndarray], Staging]:
+              step: int | None = None, into: Any = None) -> tuple[list[np.ndarray], Staging]:
         """Stage ``leaves``: the non-deferrable ones before returning, the rest in the
         background. Returns the buffers (complete once the :class:`Staging` is done; its
         error is a :class:`TornSnapshotError` naming the leaf and ``step`` if a deferred
         tensor changed in place before its copy landed). Leaves without a version counter
         (NumPy, inference tensors) are never deferred. Raises ``TornSnapshotError`` itself
-        if another thread changes a leaf while it is copied here."""
+        if another thread changes a leaf while it is copied here.
+
+        ``into`` (a reserved slot, :class:`ftkit.storage.slots.Reservation`): CPU leaves
+        are copied straight into their place in it, hashed as they land (``into.sums``),
+        and get no staging buffer; CUDA leaves are staged into pinned buffers as always."""
         del self._buffers[len(leaves):], self._owners[len(leaves):]
-        bufs = [self.buffer(i, leaf.nbytes, pinned=_is_cuda(leaf.source))
-                for i, leaf in enumerate(leaves)]
+        bufs = [self._destination(i, leaf, into) for i, leaf in enumerate(leaves)]
         for leaf in leaves:
             leaf.version = _version(leaf.source) if leaf.kind == "torch" else None
         later: list[int] = []
@@ -133,7 +136,7 @@ class Stager:
                     and deferrable(leaf)):
                 later.append(i)
             else:
-                _copy(leaf, bufs[i])
+                _stage(leaf, bufs[i], i, into)
                 _check_unchanged(leaf, step)
                 leaf.source = None
         if not later:
@@ -141,7 +144,20 @@ class Stager:
         pairs = [(leaves[i], bufs[i]) for i in later]
         ready = self._record_ready(pairs)
         assert self._pool is not None
-        return bufs, Staging(self._pool.submit(self._copy_all, pairs, ready, step))
+        return bufs, Staging(self._pool.submit(self._copy_all, pairs, ready, step,
+                                               {id(leaves[i]): i for i in later}, into))
+
+    def _destination(self, index: int, leaf: TensorLeaf, into: Any) -> np.ndarray:
+        """Where leaf ``index`` is staged: its place in the reserved slot ``into`` (a CPU
+        leaf; its own staging buffer is released), else its staging buffer."""
+        if into is None or _is_cuda(leaf.source):
+            return self.buffer(index, leaf.nbytes, pinned=_is_cuda(leaf.source))
+        while len(self._buffers) <= index:
+            self._buffers.append(np.empty(0, dtype=np.uint8))
+            self._owners.append(None)
+        self._buffers[index], self._owners[index] = np.empty(0, dtype=np.uint8), None
+        view: np.ndarray = into.view(index)
+        return view
 
     def close(self) -> None:
         if self._pool is not None:
@@ -160,7 +176,8 @@ class Stager:
         return ready
 
     def _copy_all(self, pairs: Sequence[tuple[TensorLeaf, np.ndarray]],
-                  ready: dict[Any, Any], step: int | None) -> None:
+                  ready: dict[Any, Any], step: int | None, index: dict[int, int],
+                  into: Any) -> None:
         """Worker thread: CUDA leaves on a side stream into pinned buffers, CPU leaves by
         plain copies; returns when every byte has landed and no leaf's version counter
         moved since :meth:`start` (else raises :class:`TornSnapshotError`)."""
@@ -170,7 +187,7 @@ class Stager:
                                     event) for dev, event in ready.items()]
             for leaf, buf in pairs:
                 if not _is_cuda(leaf.source):
-                    _copy(leaf, buf)
+                    _stage(leaf, buf, index[id(leaf)], into)
                     _check_unchanged(leaf, step)      # fail fast: skip the other copies
             for event in done:
                 event.synchronize()
@@ -217,6 +234,35 @@ def _check_unchanged(leaf: TensorLeaf, step: int | None) -> None:
     error = TornSnapshotError(leaf.path, step)
     log.warning("%s", error)
     raise error
+
+
+def _stage(leaf: TensorLeaf, buf: np.ndarray, index: int, into: Any) -> None:
+    """Copy one CPU leaf into ``buf``: its place in the slot ``into``, hashed as it lands,
+    when there is one (a strided tensor is laid out by torch, then hashed), else its
+    staging buffer."""
+    if into is None:
+        _copy(leaf, buf)
+        return
+    src = _bytes(leaf.source) if leaf.nbytes else np.empty(0, dtype=np.uint8)
+    if src is None:
+        _copy(leaf, buf)
+        into.hash_in_place(index)
+    else:
+        into.copy_in(index, src)
+
+
+def _bytes(x: Any) -> np.ndarray | None:
+    """A flat read-only uint8 view of a CPU tensor's or array's memory (None when it is
+    not contiguous or torch cannot show it as NumPy)."""
+    try:
+        if isinstance(x, np.ndarray):
+            return x.reshape(-1).view(np.uint8) if x.flags.c_contiguous else None
+        if not x.is_contiguous() or x.is_conj() or x.is_neg():
+            return None
+        view: np.ndarray = x.detach().reshape(-1).view(_torch().uint8).numpy()
+        return view
+    except Exception:  # noqa: BLE001 - any tensor torch cannot show as bytes: copy it
+        return None
 
 
 def _copy(leaf: TensorLeaf, buf: np.ndarray) -> None:

@@ -37,7 +37,7 @@ from ftkit.storage.private import (
     remove_entry,
 )
 from ftkit.storage.shard import Shard, fsync_dir, write_atomic, write_shard
-from ftkit.storage.slots import Slots
+from ftkit.storage.slots import Reservation, Slots
 from ftkit.storage.stepnames import PARKED, STEP, step_name, step_number
 from ftkit.testing.faults import Faults
 
@@ -80,6 +80,8 @@ class LocalLevel(Level):
         self.node_leader = node_leader
         self.faults = faults
         self.slots = Slots(root, rank)           # reused shard files (storage/slots.py)
+        self._reserved: tuple[int, Reservation] | None = None
+        self.node_ranks: set[int] | None = None  # ranks on this node (slots of others go)
         root.relative_to(self.base)             # ValueError: the tree must be below the base
 
     @classmethod
@@ -148,16 +150,35 @@ class LocalLevel(Level):
         return sorted(s for n in names if (s := step_number(n, prefix)) is not None)
 
     # -------------------------------------------------------------- protocol
+    def reserve(self, step: int, meta: dict[str, Any], tree: Any,
+                leaves: list[TensorLeaf]) -> Reservation | None:
+        """A free slot laid out for this rank's shard of ``step``, for the capture to copy
+        tensors straight into (``Stager.start(into=...)``); :meth:`write_tentative` of the
+        same step and ``meta`` finishes it. None when no slot can be had now (the write
+        then tries again and reports any error). Local."""
+        self._reserved = None
+        try:
+            res = self.slots.reserve(meta, tree, leaves)
+        except OSError as exc:
+            log.warning("rank %d: no slot for step %d (%s); staging in memory", self.rank,
+                        step, exc)
+            return None
+        self._reserved = None if res is None else (step, res)
+        return res
+
     def write_tentative(self, step: int, meta: dict[str, Any], tree: Any,
                         leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> None:
         path = self.shard_path(step)
+        reserved, self._reserved = self._reserved, None
         if self.is_committed(step):
             raise CheckpointError(step, {}, message=(
                 f"{self.step_dir(step)} already holds committed step {step} (rank "
                 f"{self.rank}); steps must increase, so it is kept and not overwritten"))
         try:
             self.ensure_step_dir(step)
-            if not self.slots.write(path, meta, tree, leaves, buffers):
+            if reserved is not None and reserved[0] == step and reserved[1].meta is meta:
+                self.slots.finish(reserved[1], path, buffers)
+            elif not self.slots.write(path, meta, tree, leaves, buffers):
                 write_shard(path, meta, tree, leaves, buffers)
         except OSError as exc:
             raise StorageError(str(path), exc, rank=self.rank, step=step, level=self.name) \
@@ -221,8 +242,9 @@ class LocalLevel(Level):
                 remove_entry(self.shard_path(step))
 
     def retain(self, keep: set[int], *, superseded_by: int | None = None) -> None:
-        """Node leader: remove every step directory not in ``keep``, and every parked step
-        not newer than ``superseded_by`` (a committed step that replaces it). Local."""
+        """Node leader: remove every step directory not in ``keep``, every parked step not
+        newer than ``superseded_by`` (a committed step that replaces it), and the free slots
+        of ranks not on this node (``node_ranks``, when set). Local."""
         if not self.node_leader:
             return
         for step in self.steps():
@@ -232,6 +254,8 @@ class LocalLevel(Level):
             for step in self.parked():
                 if step <= superseded_by:
                     remove_entry(self.parked_dir(step))
+        if self.node_ranks is not None:
+            self.slots.prune(self.node_ranks)
 
     def remove_all(self) -> list[int]:
         """Node leader: delete every step of this node, parked ones included (an explicit

@@ -132,13 +132,19 @@ def write_atomic(path: Path, pieces: Iterable[Any]) -> int:
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
+    rename_into_place(tmp, path)
+    return size
+
+
+def rename_into_place(tmp: Path, path: Path) -> None:
+    """Rename the complete temp file ``tmp`` over ``path`` and fsync the directory; on
+    error ``tmp`` is removed and ``path`` is untouched."""
     try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return size
 
 
 def create_temp(path: Path) -> tuple[int, Path]:

@@ -21,10 +21,12 @@ byte and the header are in the slot and flushed (``msync`` + ``fsync``): a crash
 without ``COMMITTED``. (3) The ``COMMITTED`` record stays the only commit point. (4) A slot
 whose write was interrupted is free garbage: the next save overwrites it whole.
 
-One pass: each tensor's staged bytes are copied into the mapped slot and hashed chunk by
-chunk as they land (:func:`ftkit.storage.shard.layout` reserves the header's room first:
-its checksums have a fixed width, so the header written afterwards has exactly that
-length). At most :data:`MAX_SLOTS` slots per rank; when none is free (a PFS flush still
+One pass: a slot is *reserved* for a shard first (:func:`ftkit.storage.shard.layout`
+reserves the header's room: its checksums have a fixed width, so the header written
+afterwards has exactly that length); each tensor is then copied into its place in the
+mapped slot and hashed chunk by chunk as it lands (:func:`copy_hashed`) — by the capture
+itself for CPU tensors (``capture/staging.py``), or at the write from a staging buffer —
+and :meth:`Slots.finish` writes the header and publishes the slot. At most :data:`MAX_SLOTS` slots per rank; when none is free (a PFS flush still
 reads an older step) a new one is made, and with the maximum reached the shard is written
 as a plain new file. Local.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
@@ -45,7 +48,14 @@ import xxhash
 from ftkit import passes
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.storage.private import ensure_private_dir
-from ftkit.storage.shard import READ_CHUNK, XXH3, fsync_dir, layout, preamble
+from ftkit.storage.shard import (
+    READ_CHUNK,
+    XXH3,
+    checksum,
+    layout,
+    preamble,
+    rename_into_place,
+)
 
 log = logging.getLogger(__name__)
 #: directory of the slots, under the node directory (not a step directory)
@@ -54,6 +64,7 @@ SLOTS = "slots"
 #: one spare); beyond it a shard is written as a plain new file
 MAX_SLOTS = 4
 _PLACEHOLDER = XXH3 + "0" * 16
+_SLOT_NAME = re.compile(r"rank-(\d+)\.\d+\.slot")
 
 
 @dataclass
@@ -63,6 +74,37 @@ class _Mapped:
     fd: int
     ino: int
     mm: mmap.mmap
+
+
+@dataclass
+class Reservation:
+    """A free slot laid out for one shard (:meth:`Slots.reserve`)."""
+
+    slot: Path
+    mapped: _Mapped
+    meta: dict[str, Any]
+    tree: Any
+    leaves: list[TensorLeaf]
+    head_len: int
+    offsets: list[int]
+    sums: list[str | None]          # checksum of each tensor already copied in, else None
+
+    def copy_in(self, index: int, src: np.ndarray) -> None:
+        """Copy tensor ``index``'s bytes ``src`` into its place, hashing as they land."""
+        self.sums[index] = copy_hashed(self.view(index), src)
+
+    def hash_in_place(self, index: int) -> None:
+        """Checksum tensor ``index``'s bytes already copied into its place (a ``hash``
+        pass)."""
+        self.sums[index] = checksum(self.view(index))
+
+    def view(self, index: int) -> np.ndarray:
+        """Writable uint8 view of tensor ``index``'s bytes in the slot."""
+        n = self.leaves[index].nbytes
+        if not n:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(self.mapped.mm, dtype=np.uint8, count=n,
+                             offset=self.offsets[index])
 
 
 class Slots:
@@ -82,23 +124,68 @@ class Slots:
         replacing what ``target`` named). False, having written nothing, when no slot may
         be used (the caller writes a plain file). OSError on a failed write; ``target`` is
         then untouched."""
+        res = self.reserve(meta, tree, leaves)
+        if res is None:
+            return False
+        self.finish(res, target, buffers)
+        return True
+
+    def reserve(self, meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf]
+                ) -> Reservation | None:
+        """A free slot laid out for this shard (header room, offsets), mapped; tensors may
+        be copied into :meth:`Reservation.view` (with :func:`copy_hashed`, their checksum
+        stored in ``sums``) before :meth:`finish`. None when no slot may be used. The slot
+        stays free (named by no step) until :meth:`finish` publishes it; only one
+        reservation of a rank is in use at a time."""
         head, offsets = layout(meta, tree, leaves, [_PLACEHOLDER] * len(leaves))
         size = offsets[-1] + leaves[-1].nbytes if leaves else len(preamble(head))
         slot = self._free(size)
         if slot is None:
-            return False
-        m = self._map(slot, size)
-        sums = [_copy_hashed(m.mm, off, buf) for off, buf in zip(offsets, buffers)]
-        final, again = layout(meta, tree, leaves, sums)
-        if len(final) != len(head) or again != offsets:
+            return None
+        return Reservation(slot, self._map(slot, size), meta, tree, leaves, len(head),
+                           offsets, [None] * len(leaves))
+
+    def finish(self, res: Reservation, target: Path, buffers: list[np.ndarray]) -> None:
+        """Copy (and hash) every tensor not yet in the slot from ``buffers``, write the
+        header, flush, and publish the slot as ``target``. OSError: ``target`` untouched."""
+        if not self._still_free(res):
+            raise OSError(f"{res.slot}: the reserved slot was linked meanwhile; not written")
+        for i, buf in enumerate(buffers):
+            if res.sums[i] is None:
+                res.sums[i] = copy_hashed(res.view(i), buf)
+        sums = [str(x) for x in res.sums]
+        final, again = layout(res.meta, res.tree, res.leaves, sums)
+        if len(final) != res.head_len or again != res.offsets:
             raise AssertionError("shard header changed length with its checksums")
-        start = preamble(final)
-        m.mm[:len(start)] = start
-        _zero_gaps(m.mm, len(start), offsets, [lf.nbytes for lf in leaves], size)
-        m.mm.flush()
-        os.fsync(m.fd)
-        _publish(slot, target)
-        return True
+        mm, start = res.mapped.mm, preamble(final)
+        mm[:len(start)] = start
+        _zero_gaps(mm, len(start), res.offsets, [lf.nbytes for lf in res.leaves], len(mm))
+        mm.flush()
+        os.fsync(res.mapped.fd)
+        _publish(res.slot, target)
+
+    def _still_free(self, res: Reservation) -> bool:
+        try:
+            st = os.lstat(res.slot)
+        except FileNotFoundError:
+            return False
+        return st.st_ino == res.mapped.ino and st.st_nlink == 1
+
+    def prune(self, ranks: set[int]) -> None:
+        """Remove the free slots of every rank not in ``ranks`` (the ranks now on this
+        node; a relaunch on another layout leaves the old ones behind). A slot a step still
+        names stays until retention drops that step. Node leader; local."""
+        try:
+            entries = list(os.scandir(self.dir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            match = _SLOT_NAME.fullmatch(entry.name)
+            if match is None or int(match.group(1)) in ranks:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                os.unlink(entry.path)
 
     def _free(self, size: int) -> Path | None:
         """A free slot (link count 1), best one of ``size`` bytes, else a new one; None
@@ -150,7 +237,10 @@ class Slots:
     def _drop(self, slot: Path) -> None:
         m = self._open.pop(slot, None)
         if m is not None:
-            m.mm.close()
+            try:
+                m.mm.close()
+            except BufferError:
+                pass        # views of an old snapshot still alive: unmapped when collected
             os.close(m.fd)
 
     def close(self) -> None:
@@ -172,21 +262,13 @@ def _publish(slot: Path, target: Path) -> None:
             continue
     else:
         raise FileExistsError(f"no free temp name for {target}")
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
+    rename_into_place(tmp, target)
 
 
-def _copy_hashed(mm: mmap.mmap, offset: int, buf: np.ndarray) -> str:
-    """Copy ``buf`` into ``mm`` at ``offset``, hashing each chunk as it lands; its
-    checksum string. One ``write`` pass."""
-    src = buf.reshape(-1).view(np.uint8)
-    if not len(src):
-        return XXH3 + xxhash.xxh3_64_hexdigest(b"")
-    dst = np.frombuffer(mm, dtype=np.uint8, count=len(src), offset=offset)
+def copy_hashed(dst: np.ndarray, src: np.ndarray) -> str:
+    """Copy ``src``'s bytes into the uint8 array ``dst`` (same length), hashing each chunk
+    as it lands (still in cache); its checksum string. One ``write`` pass."""
+    src = src.reshape(-1).view(np.uint8)
     h = xxhash.xxh3_64()
     for a in range(0, len(src), READ_CHUNK):
         part = dst[a:a + READ_CHUNK]

@@ -20,6 +20,13 @@ Two configurations:
 Besides the exact resume step, every case checks that no step the coordinator reported
 committed in the failed attempt is newer than the step resumed from: a committed step is
 never lost.
+
+Every rank writes its node-local shard into a reused slot file (``storage/slots.py``): from
+step 3 on, a save overwrites the slot that held the committed step two steps back. The
+capture copies CPU tensors straight into it, so ``capture`` strikes before that slot is
+overwritten, ``write-local`` after it was overwritten and before it is published as the
+step's shard, ``vote`` .. ``commit`` after; the single-level cases check that the slots were
+indeed reused (at most 3 per rank after 8 saves and a relaunch).
 """
 from __future__ import annotations
 
@@ -77,6 +84,17 @@ def test_fault_then_bitexact_resume(kind: str, phase: str, rank: int, tmp_path: 
     assert res.done["digest"] == reference_digest(4, 8), res.tail()
     events = [e["event"] for e in res.events()]
     assert "relaunch" in events and events.count("restore") == 2, events
+    slots = _slots_per_rank(res.local)
+    assert len(slots) == 4 and max(slots.values()) <= 3, slots
+
+
+def _slots_per_rank(local: Path) -> dict[str, int]:
+    """Slot files of each rank under the node-local directory ``local``."""
+    out: dict[str, int] = {}
+    for slot in local.rglob("slots/rank-*.slot"):
+        rank = slot.name.split(".")[0]
+        out[rank] = out.get(rank, 0) + 1
+    return out
 
 
 def _assert_resumed(res: Result, step: int, spec: str) -> None:

@@ -117,9 +117,11 @@ def test_reshard_in_place_keeps_local_retention(tmp_path: Path) -> None:
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
     assert "parked as parked-step-7" in res.stderr, res.tail()
-    for node in ("node-0", "node-1"):
+    for i, node in enumerate(("node-0", "node-1")):
         left = sorted(p.name for p in (res.local / node).iterdir() if p.name != "LOCK")
-        assert left == ["step-10", "step-9"], (node, left)
+        assert left == ["slots", "step-10", "step-9"], (node, left)
+        owners = {p.name.split(".")[0] for p in (res.local / node / "slots").iterdir()}
+        assert owners == {f"rank-{i}"}, (node, owners)   # the old world's slots pruned
         for step_dir in (res.local / node).glob("*step-*"):
             record = (step_dir / "COMMITTED").read_text()
             assert '"world": 2' in record, (step_dir, record)

@@ -69,7 +69,8 @@ def test_rs_against_xor_and_the_two_rank_restore() -> None:
     red = {"gb_per_s": {"xor": 1.0, "rs1": 0.9, "rs": 0.4}, "shard_bytes_per_rank": 64 << 20,
            "parity_blocks": {"xor": 1, "rs1": 1, "rs": 2},
            "rs_vs_xor_same_parity": {"median": 0.8}, "rs_vs_xor": {"median": 0.35}}
-    two = {**LEVELS, "ranks": 2, "restore_vs_memcpy": {"local": {"64": {"median": 0.5}}}}
+    two = {**LEVELS, "ranks": 2, "restore_vs_memcpy": {"local": {"64": {"median": 0.5}}},
+           "save_vs_memcpy": {"local": {"64": {"median": 0.4}}}}
     figs = _figures.derive({"bounds": BOUNDS, "redundancy": red, "levels_2ranks": two})
     same = figs["rs encode[1 parity, 64 MiB]"]
     assert same["ratio"] == pytest.approx(0.8) and same["goal"] == 0.7 and same["met"] is True
@@ -78,6 +79,8 @@ def test_rs_against_xor_and_the_two_rank_restore() -> None:
     restore = figs["restore[local, 64 MiB, 2 ranks]"]
     assert restore["ratio"] == pytest.approx(0.5) and restore["met"] is True
     assert "restore[local, 64 MiB]" not in figs
+    save = figs["save vs memcpy[local, 64 MiB, 2 ranks]"]
+    assert save["ratio"] == pytest.approx(0.4) and save["goal"] == 0.45 and save["met"] is False
 
 
 def test_missing_parts_are_skipped() -> None:

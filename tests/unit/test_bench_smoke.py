@@ -128,6 +128,9 @@ def test_levels_2ranks_part(smoke: dict[str, Any]) -> None:
     assert list(rep["levels"]) == ["local"]
     fig = smoke["figures"]["restore[local, 1 MiB, 2 ranks]"]
     assert fig["goal"] == 0.4 and math.isfinite(fig["ratio"])
+    fig = smoke["figures"]["save vs memcpy[local, 1 MiB, 2 ranks]"]
+    assert fig["goal"] == 0.45 and math.isfinite(fig["ratio"])
+    assert rep["warmup_saves"] == 2 and rep["save_vs_memcpy"]["local"]["1"]["median"] > 0
 
 
 def test_hp_overlap_part(smoke: dict[str, Any]) -> None:

@@ -125,16 +125,16 @@ def test_a_failed_write_leaves_no_name_and_the_committed_step(root: Path,
     level.retain({2})
     committed = level.shard_path(2).read_bytes()
     calls = {"n": 0}
-    real = slots._copy_hashed
+    real = slots.copy_hashed
 
-    def dies_midway(mm: Any, offset: int, buf: np.ndarray) -> str:
+    def dies_midway(dst: np.ndarray, src: np.ndarray) -> str:
         calls["n"] += 1
         if calls["n"] == 2:
             raise OSError(errno.EIO, "simulated crash while copying")
-        return real(mm, offset, buf)
+        return real(dst, src)
 
     with monkeypatch.context() as m:
-        m.setattr(slots, "_copy_hashed", dies_midway)
+        m.setattr(slots, "copy_hashed", dies_midway)
         with pytest.raises(OSError):
             _write(level, 3)
     assert not level.shard_path(3).exists()
@@ -176,3 +176,76 @@ def test_a_local_write_is_one_pass(root: Path) -> None:
     assert moved["write"] == state_bytes and moved["hash"] == 0 and moved["copy"] == 0
     with Shard.open(level.shard_path(2), rank=0, step=2) as shard:
         shard.verify()
+
+
+# ------------------------------------------------------------ staging into a slot
+def _reserve_and_stage(level: LocalLevel, step: int, state: dict[str, Any],
+                       background: bool = False) -> tuple[Any, Any, list[Any], Any]:
+    tree, leaves = flatten(state)
+    meta = {"job": "unit", "step": step, "rank": level.rank, "world": WORLD}
+    res = level.reserve(step, meta, tree, leaves)
+    assert res is not None
+    stager = Stager(background=background)
+    bufs, staging = stager.start(leaves, lambda leaf: background, step=step, into=res)
+    assert staging.wait() is None
+    stager.close()
+    return meta, tree, leaves, bufs
+
+
+def test_cpu_tensors_are_staged_straight_into_the_slot(root: Path, tmp_path: Path) -> None:
+    """One pass (the copy into the slot, hashed as it lands), no staging buffer; the
+    published shard is byte for byte a plain write of the same state."""
+    level = _level(root)
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "b": np.arange(7, dtype=np.int16),
+             "t": torch.arange(12.).reshape(3, 4).t(), "e": torch.empty(0), "step": 4}
+    before = passes.snapshot()
+    meta, tree, leaves, bufs = _reserve_and_stage(level, 4, state)
+    level.write_tentative(4, meta, tree, leaves, bufs)
+    moved = passes.since(before)
+    strided = state["t"].numel() * 4               # laid out by torch, then hashed
+    assert moved["write"] == sum(lf.nbytes for lf in leaves) - strided
+    assert moved["copy"] == strided and moved["hash"] == strided
+    plain = tmp_path / "plain.ftk"
+    ptree, pleaves = flatten(state)
+    write_shard(plain, meta, ptree, pleaves, Stager().capture(pleaves))
+    assert level.shard_path(4).read_bytes() == plain.read_bytes()
+    assert os.stat(level.shard_path(4)).st_nlink == 2
+
+
+def test_deferred_tensors_land_in_the_slot_from_the_worker(root: Path) -> None:
+    level = _level(root)
+    state = {"w": torch.arange(1 << 15, dtype=torch.float64), "step": 2}
+    meta, tree, leaves, bufs = _reserve_and_stage(level, 2, state, background=True)
+    level.write_tentative(2, meta, tree, leaves, bufs)
+    level.check_shard(2, WORLD)
+    with level.open_shard(2) as shard:
+        assert np.array_equal(np.frombuffer(shard.raw(0), np.float64), state["w"].numpy())
+
+
+def test_a_reservation_of_another_step_is_not_used(root: Path) -> None:
+    """The write of a step finishes only the reservation made for it (same step, same
+    header); otherwise the slot stays free and the shard is written from the buffers."""
+    level = _level(root)
+    state = {"w": torch.ones(100), "step": 1}
+    tree, leaves = flatten(state)
+    level.reserve(1, {"job": "unit", "step": 1, "rank": 0, "world": WORLD}, tree, leaves)
+    _write(level, 2)
+    _check(level, 2)
+    assert not level.shard_path(1).exists()
+
+
+def test_the_free_slots_of_ranks_no_longer_here_are_pruned(root: Path) -> None:
+    """After a relaunch on another layout: the leader's retention removes the free slots
+    of ranks that are not on this node any more, not a slot a step still names."""
+    here, gone = _level(root, rank=0), _level(root, rank=5)
+    for step in (1, 2):
+        for level in (here, gone):
+            _write(level, step)
+    here.node_ranks = {0}
+    here.retain({2})                                  # step 1 gone: rank 5's slot free
+    names = _slot_files(here)
+    assert "rank-5.0.slot" not in names and "rank-5.1.slot" in names   # step 2 names it
+    assert {"rank-0.0.slot", "rank-0.1.slot"} <= set(names)
+    here.retain(set())
+    assert [n for n in _slot_files(here) if n.startswith("rank-5")] == []
+    assert len([n for n in _slot_files(here) if n.startswith("rank-0")]) == 2
