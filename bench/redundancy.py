@@ -40,9 +40,9 @@ def _child(args: argparse.Namespace) -> None:
     from ftkit.comm.dist import DistComm
     from ftkit.comm.placement import erasure_sets, partner_map, set_of
     from ftkit.comm.topology import virtual_nodes
-    from ftkit.storage.erasure import ErasureLevel
     from ftkit.storage.local import LocalLevel
-    from ftkit.storage.partner import PartnerLevel
+    from ftkit.storage.redundancy.erasure import ErasureLevel
+    from ftkit.storage.redundancy.partner import PartnerLevel
     from ftkit.storage.shard import write_atomic, write_shard
     from ftkit.testing.faults import Faults
 
@@ -156,7 +156,7 @@ def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, floa
 
 
 def gf256_kernel() -> str:
-    from ftkit.storage import gf256
+    from ftkit.storage.redundancy import gf256
     return gf256.kernel()
 
 

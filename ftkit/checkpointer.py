@@ -33,7 +33,7 @@ from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm, describe
 from ftkit.comm.topology import Topology
-from ftkit.config import IMPLEMENTED_LEVELS, Config
+from ftkit.config import Config
 from ftkit.errors import (
     CheckpointError,
     ConfigError,
@@ -44,6 +44,7 @@ from ftkit.events import append_event, mark_progress
 from ftkit.launch.fatal import record_death, record_fatal
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
+from ftkit.levelnames import IMPLEMENTED_LEVELS
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import ProtocolMismatch, Snapshot, TwoPhase, raise_if_failed
 from ftkit.recovery import pfs_restore
@@ -51,7 +52,7 @@ from ftkit.recovery import restore as recovery
 from ftkit.recovery.claim import JobClaim
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
-from ftkit.storage.pfs import PfsLevel, remove_steps
+from ftkit.storage.pfs.level import PfsLevel, remove_steps
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)

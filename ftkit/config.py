@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.errors import ConfigError
+from ftkit.levelnames import LEVEL_NAMES, REDUNDANCY_LEVELS
+from ftkit.testing.faults import parse_faults
 
-LEVEL_NAMES = ("local", "partner", "xor", "rs", "pfs")
-#: Levels this build implements; the others are accepted by the parser but rejected at use.
-IMPLEMENTED_LEVELS = ("local", "partner", "xor", "rs", "pfs")
-REDUNDANCY_LEVELS = ("partner", "xor", "rs")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
 #: over (what happens to existing steps is the Checkpointer's business).
@@ -127,7 +125,6 @@ class Config:
         object.__setattr__(self, "levels", parse_levels(text))
         self._check_schedule()
         if self.faults:
-            from ftkit.testing.faults import parse_faults
             parse_faults(self.faults)   # validate early; raises ConfigError
 
     def _check_schedule(self) -> None:

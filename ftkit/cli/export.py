@@ -2,7 +2,7 @@
 
 The work runs in a sandboxed child (:mod:`ftkit.cli.sandbox`) and streams: the plan (which
 datasets make which tensor, dtypes, shapes) is built from the verified metadata alone
-(:class:`ftkit.storage.h5read.StepReader`, which checks every dataset's storage against its
+(:class:`ftkit.storage.pfs.h5read.StepReader`, which checks every dataset's storage against its
 file before anything is read), then each tensor's bytes are read in blocks, checked against
 their checksums and written out:
 
@@ -48,8 +48,8 @@ from ftkit.cli.scan import (
     resolve,
 )
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage.hdf5 import count_tensors, itemsize
-from ftkit.storage.hdf5 import raw_bytes as _raw
+from ftkit.storage.pfs.hdf5 import count_tensors, itemsize
+from ftkit.storage.pfs.hdf5 import raw_bytes as _raw
 from ftkit.storage.shard import fsync_dir
 
 OK = 0

@@ -1,6 +1,6 @@
 """Locate and read the steps of an HDF5 checkpoint (for ``ftkit inspect/verify/export``).
 
-Every read goes through :class:`ftkit.storage.h5read.StepReader` (COMMITTED digests checked
+Every read goes through :class:`ftkit.storage.pfs.h5read.StepReader` (COMMITTED digests checked
 before a file is opened, links resolved by ftkit, storage checked against the file size) and
 runs in a child process (:mod:`ftkit.cli.sandbox`), reporting progress to it. Imports h5py
 lazily; never mpi4py or torch.
@@ -22,9 +22,9 @@ import xxhash
 
 from ftkit.cli.fmt import human
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage import h5files
-from ftkit.storage.hdf5 import COMMITTED, INDEX
-from ftkit.storage.hdf5 import raw_bytes as _raw
+from ftkit.storage.pfs import h5files
+from ftkit.storage.pfs.hdf5 import COMMITTED, INDEX
+from ftkit.storage.pfs.hdf5 import raw_bytes as _raw
 from ftkit.storage.stepnames import step_dirs, step_number
 
 OK, BAD, USAGE = 0, 1, 2
@@ -364,7 +364,7 @@ def _progress_enabled(as_json: bool) -> bool:
 def open_step(ref: StepRef) -> Any:
     """A :class:`StepReader` over ``ref``: the step's index, checked against the step's
     COMMITTED digests when it has them, or the one file PATH named."""
-    from ftkit.storage.h5read import StepReader
+    from ftkit.storage.pfs.h5read import StepReader
     return StepReader(ref.dir, ref.step, file=None if ref.own_index else ref.h5)
 
 
@@ -372,7 +372,7 @@ def scan(ref: StepRef, *, tensors: bool = False, verify: bool = False,
          report: Reporter | None = None) -> StepScan:
     """Read one step: index attributes; with ``tensors`` every rank's tensor entries and
     structural checks; with ``verify`` also every dataset's checksum. Nothing is used before
-    it is verified (:mod:`ftkit.storage.h5read`). Problems are recorded, never raised;
+    it is verified (:mod:`ftkit.storage.pfs.h5read`). Problems are recorded, never raised;
     ``report`` hears what is read. Run it in a sandbox: a damaged file can hang or crash
     the HDF5 library."""
     rep: Reporter = report or _Silent()

@@ -2,7 +2,7 @@
 every rank can read intact and load it; a different DP size is resharded (see
 :func:`source_rank`). All functions that talk to other ranks say so.
 
-Nothing read from the PFS is trusted before it is verified (see :mod:`ftkit.storage.hdf5`),
+Nothing read from the PFS is trusted before it is verified (see :mod:`ftkit.storage.pfs.hdf5`),
 and *any* failure while reading or decoding a candidate step — a damaged HDF5 structure, an
 attribute that does not decode, a tree that does not rebuild — makes that step unusable with a
 one-line reason (logged, ``restore-skip`` event); restore then tries the next older step.
@@ -22,9 +22,9 @@ from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
 from ftkit.errors import CheckpointError
 from ftkit.recovery.plan import one_line
 from ftkit.recovery.restore import apply_agreed
-from ftkit.storage import hdf5
-from ftkit.storage.h5read import StepReader
-from ftkit.storage.pfs import PfsLevel
+from ftkit.storage.pfs import h5read
+from ftkit.storage.pfs.h5read import StepReader
+from ftkit.storage.pfs.level import PfsLevel
 
 log = logging.getLogger(__name__)
 _RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of ftkit.RNGState
@@ -37,7 +37,7 @@ def source_rank(step_dir: Any, topo: Any, meta: dict[str, Any] | None = None) ->
     hold identical tensors (:func:`check_dp_replicas`; only this rank's view, local).
     ``meta``: the verified index attributes (read when None)."""
     if meta is None:
-        meta = hdf5.read_index_attrs(Path(step_dir))
+        meta = h5read.read_index_attrs(Path(step_dir))
     world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
     if world == topo.world:
         return int(topo.rank)

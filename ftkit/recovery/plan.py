@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ftkit.errors import FtkitError
-from ftkit.storage.stripes import Layout
+from ftkit.storage.redundancy.stripes import Layout
 
 Report = dict[str, Any]
 

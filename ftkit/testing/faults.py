@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ftkit.errors import ConfigError, InjectedFault
+from ftkit.levelnames import IMPLEMENTED_LEVELS, LEVEL_NAMES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -72,7 +73,6 @@ class Fault:
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
     """Parse an ``FTKIT_FAULTS`` string; raises :class:`ConfigError` naming the bad part."""
-    from ftkit.config import IMPLEMENTED_LEVELS, LEVEL_NAMES
     faults = []
     for part in (p.strip() for p in spec.split(";")):
         if not part:

@@ -22,7 +22,7 @@ import pytest
 
 from ftkit.cli.main import main
 from ftkit.cli.scan import dataset_checksum
-from ftkit.storage import hdf5
+from ftkit.storage.pfs import hdf5
 from ftkit.storage.shard import checksum
 from tests.e2e.jobs import REPO, run_toy
 from tests.unit.test_cli_hostile import recommit

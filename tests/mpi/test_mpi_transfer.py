@@ -17,10 +17,10 @@ import pytest
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import ProtocolTimeout
-from ftkit.storage.erasure import ErasureLevel
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.redundancy.erasure import ErasureLevel
+from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard, write_shard
-from ftkit.storage.transfer import Verify, exchange
 from ftkit.testing.faults import Faults
 
 from .conftest import FtkitEnv

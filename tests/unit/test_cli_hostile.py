@@ -28,7 +28,7 @@ import pytest
 
 from ftkit.cli import sandbox
 from ftkit.cli.main import build_parser, main
-from ftkit.storage import h5files, hdf5
+from ftkit.storage.pfs import h5files, hdf5
 from tests.unit.test_hdf5_meta import write_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def test_sandbox_reports_a_crash_with_its_signal() -> None:
 
 _BLOCK_STEP_2 = """
     import signal
-    from ftkit.storage import h5read
+    from ftkit.storage.pfs import h5read
     _group = h5read.StepReader.group
     def group(self, rank):
         if self.step == 2:
@@ -168,7 +168,7 @@ _BLOCK_STEP_2 = """
 """
 _CRASH = """
     import os, signal
-    from ftkit.storage import h5read
+    from ftkit.storage.pfs import h5read
     def group(self, rank):
         os.kill(os.getpid(), signal.SIGSEGV)      # libhdf5 segfaults on a damaged byte
     h5read.StepReader.group = group

@@ -11,10 +11,10 @@ import random
 import numpy as np
 import pytest
 
-from ftkit.storage import gf256
-from ftkit.storage.erasure import segment_size, segments
+from ftkit.storage.redundancy import gf256
+from ftkit.storage.redundancy.erasure import segment_size, segments
+from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.shard import ALIGN
-from ftkit.storage.stripes import Layout
 
 SHAPES = [(k, p) for k in range(2, 7) for p in range(1, k)]
 

@@ -17,7 +17,7 @@ import pytest
 from ftkit.events import append_event, mark_progress, read_events
 from ftkit.launch import marker
 from ftkit.recovery import identity
-from ftkit.storage import hdf5
+from ftkit.storage.pfs import hdf5
 from tests.mounts import fill, free_bytes, tmpfs
 
 

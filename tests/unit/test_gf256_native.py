@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from ftkit.storage import gf256, isal
+from ftkit.storage.redundancy import gf256, isal
 
 NATIVE = gf256.kernel() != "numpy"
 
@@ -157,12 +157,12 @@ def test_missing_native_library_falls_back(unloaded: None, monkeypatch: pytest.M
                                            caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(isal.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(isal.ctypes, "CDLL", _no_library)
-    with caplog.at_level(logging.DEBUG, logger="ftkit.storage.isal"):
+    with caplog.at_level(logging.DEBUG, logger="ftkit.storage.redundancy.isal"):
         assert gf256.kernel() == "numpy"
         v = rand(4096, 10)
         assert np.array_equal(gf256.scale_into(np.empty(4096, np.uint8), 9, v), ref(9, v))
         gf256.mad_into(np.empty(4096, np.uint8), 9, v)
-    said = [r for r in caplog.records if r.name == "ftkit.storage.isal"]
+    said = [r for r in caplog.records if r.name == "ftkit.storage.redundancy.isal"]
     assert len(said) == 1 and said[0].levelno == logging.DEBUG         # once, quietly
     assert "not available" in said[0].getMessage()
 

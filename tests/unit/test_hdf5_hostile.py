@@ -2,7 +2,7 @@
 step's or job's data, allocate what the file does not hold, or wait forever.
 
 The crafted files are made *consistent* (seals and COMMITTED digests recomputed, as an
-attacker or a buggy tool could): only the structural checks of ``ftkit.storage.h5read`` /
+attacker or a buggy tool could): only the structural checks of ``ftkit.storage.pfs.h5read`` /
 ``h5files`` stand between them and a restore.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 
 from ftkit.errors import CorruptCheckpointError
 from ftkit.recovery import pfs_restore
-from ftkit.storage import h5files, hdf5
-from ftkit.storage.h5read import StepReader
+from ftkit.storage.pfs import h5files, hdf5
+from ftkit.storage.pfs.h5read import StepReader
 from tests.unit.test_hdf5_meta import _OneRank, _Pfs, _state, write_step
 
 

@@ -1,4 +1,4 @@
-"""The PFS level never trusts an unchecked byte (ftkit.storage.hdf5, pfs_restore, the CLI).
+"""The PFS level never trusts an unchecked byte (ftkit.storage.pfs.hdf5, pfs_restore, the CLI).
 
 Small checkpoints are written with ftkit's own shard and HDF5 writers, then damaged the way a
 bit flip, a buggy tool or a hand edit would: every attribute a reader uses is covered by
@@ -29,7 +29,7 @@ from ftkit.capture.rng import RNGState
 from ftkit.capture.staging import Stager
 from ftkit.cli.main import main
 from ftkit.errors import CheckpointError, CorruptCheckpointError
-from ftkit.storage import h5files, hdf5
+from ftkit.storage.pfs import h5files, h5read, hdf5
 from ftkit.storage.shard import Shard, write_shard
 from ftkit.testing.faults import flip_byte
 
@@ -141,7 +141,7 @@ def test_tampered_metadata_is_refused_everywhere(step_dir: Path, tmp_path: Path,
     _edit(step_dir / name, edit)
     with pytest.raises(CorruptCheckpointError, match="HDF5 metadata digest mismatch|COMMITTED "
                                                      "recorded") as err:
-        hdf5.read_rank(step_dir, 0)          # caught before h5py opens the file
+        h5read.read_rank(step_dir, 0)          # caught before h5py opens the file
     assert str(step_dir / name) in str(err.value)
     rc = main(["verify", str(step_dir.parent), "--json"])
     doc = json.loads(capsys.readouterr().out)
@@ -156,18 +156,18 @@ def test_tampered_metadata_is_refused_everywhere(step_dir: Path, tmp_path: Path,
     assert not out.exists()
     (step_dir / "COMMITTED").unlink()     # no digests: the in-file seals still catch it
     with pytest.raises(CorruptCheckpointError, match="metadata checksum mismatch") as err:
-        hdf5.read_rank(step_dir, 0)
+        h5read.read_rank(step_dir, 0)
     assert str(step_dir / name) in str(err.value)
     if name == "node-0.h5":
         assert f"{step_dir / name}:/rank/0" in str(err.value) and "rank 0" in str(err.value)
 
 
 def test_intact_step_reads_back_bit_exact(step_dir: Path) -> None:
-    attrs, entries, arrays = hdf5.read_rank(step_dir, 1, step=1)
+    attrs, entries, arrays = h5read.read_rank(step_dir, 1, step=1)
     assert json.loads(attrs["tree"])["items"][1][0] == "data"
     assert [e["path"] for e in entries] == ["model/a", "model/b", "model/n"]
     assert arrays[0].view(np.float32).tolist() == (np.arange(6) + 1.0).tolist()
-    assert hdf5.read_index_attrs(step_dir, 1)["world"] == 2
+    assert h5read.read_index_attrs(step_dir, 1)["world"] == 2
 
 
 def test_inconsistent_but_sealed_attributes_are_cross_checked(step_dir: Path) -> None:
@@ -178,7 +178,7 @@ def test_inconsistent_but_sealed_attributes_are_cross_checked(step_dir: Path) ->
         hdf5.seal(h5["rank/0"])
     _edit(step_dir / "node-0.h5", shape, recommit=True)
     with pytest.raises(CorruptCheckpointError, match=r"model/a.*stored as <f4 \(2, 3\)"):
-        hdf5.read_rank(step_dir, 0, step=1)
+        h5read.read_rank(step_dir, 0, step=1)
 
     def drop(h5: Any) -> None:
         del h5["rank/1/model/b"]
@@ -186,7 +186,7 @@ def test_inconsistent_but_sealed_attributes_are_cross_checked(step_dir: Path) ->
     _edit(step_dir / "node-0.h5", drop, recommit=True)
     with pytest.raises(CorruptCheckpointError, match=r"tree has 3 tensors but it holds 2 "
                                                      r"datasets \(missing ftkit_index \[1\]\)"):
-        hdf5.read_rank(step_dir, 1, step=1)
+        h5read.read_rank(step_dir, 1, step=1)
 
 
 def test_itemsize_without_torch() -> None:
@@ -206,7 +206,7 @@ def test_files_without_meta_checksum_are_refused(step_dir: Path,
             del h5.attrs[hdf5.META]
         _edit(step_dir / name, legacy, recommit=True)
     with pytest.raises(CorruptCheckpointError, match="carries no metadata checksums"):
-        hdf5.read_rank(step_dir, 0, step=1)
+        h5read.read_rank(step_dir, 0, step=1)
     assert main(["verify", str(step_dir)]) == 1
     assert "'ftkit-hdf5-1' carries no metadata checksums" in capsys.readouterr().out
 
@@ -368,10 +368,10 @@ _READER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from ftkit.errors import CorruptCheckpointError
-    from ftkit.storage import h5files, hdf5
+    from ftkit.storage.pfs import h5files, h5read, hdf5
 
     def read(step_dir):
-        with hdf5.StepReader(step_dir, 1, require_commit=True) as reader:
+        with h5read.StepReader(step_dir, 1, require_commit=True) as reader:
             group, arrays = reader.read(0)
             return repr((group.attrs, group.entries, [a.tobytes() for a in arrays]))
 

@@ -1,4 +1,4 @@
-"""ftkit.storage.transfer: shards verified while they stream in (StreamCheck), exchange on a
+"""ftkit.storage.redundancy.transfer: shards verified while they stream in (StreamCheck), exchange on a
 one-rank communicator (sending to itself), request hygiene after errors, and the bulk
 deadline rule of DistComm (with a fake clock)."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm import dist
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError, ProtocolTimeout
-from ftkit.storage import erasure, gf256
+from ftkit.storage.redundancy import erasure, gf256
+from ftkit.storage.redundancy.transfer import StreamCheck, Verify, exchange, recv_buffer
 from ftkit.storage.shard import Shard, write_shard
-from ftkit.storage.transfer import StreamCheck, Verify, exchange, recv_buffer
 from ftkit.testing.faults import Faults
 
 STEP, OWNER = 5, 0
@@ -179,7 +179,7 @@ def test_recv_buffer_reads_what_exchange_sends(dc: DistComm, tmp_path: Path) -> 
         recv_buffer(dc, 0, "flush", STEP)              # nobody sends: released
     dc.timeout = 20.0
     # a sender posts, then the receive runs (both on this rank: the sends are non-blocking)
-    from ftkit.storage.transfer import FileSend
+    from ftkit.storage.redundancy.transfer import FileSend
     peer = DistComm(dc.comm, dc.timeout, dup=False)     # the sender's own tag sequence
     peer.bulk_tag(STEP, 0, 0)                           # it took part in the failed call
     tx = FileSend(tmp_path / "rank-0.ftk", 0, peer.bulk_tag(STEP, 0, 0))

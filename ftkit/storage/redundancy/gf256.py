@@ -4,8 +4,8 @@ Addition is XOR. Used by the Reed–Solomon level: a Cauchy matrix gives an MDS 
 ``m`` of the ``k`` segments of a stripe determine the other ``k - m``.
 
 Vector kernels: :func:`scale_into` (``out = c * v``) and :func:`mad_into` (``out ^= c * v``)
-run on Intel ISA-L (:mod:`ftkit.storage.isal`, memory bandwidth, several GB/s) when a copy
-of the library loads and passes a self-test, else on NumPy (a 64 K-entry table applied to
+run on Intel ISA-L (:mod:`ftkit.storage.redundancy.isal`, memory bandwidth, several GB/s)
+when a copy of the library loads and passes a self-test, else on NumPy (a 64 K-entry table applied to
 byte pairs, about 1-2 GB/s). :func:`scale_into_ref` is the independent reference kernel
 (bit-sliced), kept for tests and benchmarks. All of them give the same bytes.
 """
@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from ftkit import passes
-from ftkit.storage import isal
+from ftkit.storage.redundancy import isal
 
 _EXP = np.zeros(512, dtype=np.uint8)
 _LOG = np.zeros(256, dtype=np.int32)

@@ -1,7 +1,7 @@
 """Partner level: a copy of every rank's shard on another node.
 
 ``step-<s>/partner-<r>.ftk`` on node B is a byte copy of rank r's ``rank-<r>.ftk`` (r lives on
-node A != B), streamed over MPI by :func:`~ftkit.storage.transfer.exchange`. The copy is
+node A != B), streamed over MPI by :func:`~ftkit.storage.redundancy.transfer.exchange`. The copy is
 self-checking (header checksum + one checksum per tensor) and checked twice: while it
 streams in (a copy corrupted in transfer makes ``encode`` raise on the receiving rank, which
 votes no, so the step is aborted) and at restore (a copy damaged at rest is never used). A
@@ -18,8 +18,8 @@ from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard
-from ftkit.storage.transfer import Verify, exchange
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 ISA-L multiplies a byte vector by a constant with two 16-entry nibble tables (PSHUFB / GFNI),
 at memory bandwidth. Its field is GF(2^8) with polynomial 0x11D, the one of
-:mod:`ftkit.storage.gf256`. The library is looked up, in order, as the copy the ``pyeclib``
+:mod:`ftkit.storage.redundancy.gf256`. The library is looked up, in order, as the copy the ``pyeclib``
 wheel bundles (``pyeclib.libs/libisal*.so*``, found without importing pyeclib) and as a system
 ``libisal.so.2``. :func:`load` returns None when neither loads or a loaded one fails a
 self-test against ``reference`` (other architectures, no pyeclib): callers fall back to NumPy.

@@ -12,7 +12,7 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    every tensor's bytes against the shard's checksum as it copies them (a corrupt shard fails
    the flush: corruption is never copied to the PFS);
 3. all ranks agree that every node file is durable; node leaders send rank 0 the byte digest
-   of their file (:mod:`ftkit.storage.h5files`);
+   of their file (:mod:`ftkit.storage.pfs.h5files`);
 4. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
    id, the node of every rank and the digest of every file, under its own checksum); all
    ranks agree that it did.
@@ -35,11 +35,11 @@ from ftkit.comm.dist import DistComm
 from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
 from ftkit.errors import CheckpointError, ProtocolTimeout
-from ftkit.storage import hdf5
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.pfs import hdf5
+from ftkit.storage.redundancy.transfer import exchange, recv_buffer
 from ftkit.storage.shard import Shard, fsync_dir
 from ftkit.storage.stepnames import step_dirs, step_name
-from ftkit.storage.transfer import exchange, recv_buffer
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """XOR and Reed–Solomon levels: parity of an erasure set, spread over its members.
 
-Layout and code: :mod:`ftkit.storage.stripes`. Encoding and decoding are the same MPI pattern:
-for every parity (or lost) segment, each member contributes its GF(256)-scaled segment (or
+Layout and code: :mod:`ftkit.storage.redundancy.stripes`. Encoding and decoding are the same
+MPI pattern: for every parity (or lost) segment, each member contributes its GF(256)-scaled segment (or
 zeros) to an ``Ireduce(op=BXOR)`` rooted at the member that keeps the result. XOR sends views
 of the mapped shard (no copy); RS sends scaled copies.
 
@@ -36,12 +36,12 @@ from ftkit import passes
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage import gf256
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.redundancy import gf256
+from ftkit.storage.redundancy.stripes import Layout
+from ftkit.storage.redundancy.transfer import mapped
 from ftkit.storage.shard import ALIGN, Shard, checksum, write_atomic, write_shard
-from ftkit.storage.stripes import Layout
-from ftkit.storage.transfer import mapped
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
-from ftkit.storage import gf256
+from ftkit.storage.redundancy import gf256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Reading a PFS step (HDF5, :mod:`ftkit.storage.hdf5`) as untrusted input.
+"""Reading a PFS step (HDF5, :mod:`ftkit.storage.pfs.hdf5`) as untrusted input.
 
 :class:`StepReader` trusts nothing it has not checked, in this order:
 
@@ -25,8 +25,8 @@ import numpy as np
 
 from ftkit import passes
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage import h5files
-from ftkit.storage.hdf5 import (
+from ftkit.storage.pfs import h5files
+from ftkit.storage.pfs.hdf5 import (
     COMMITTED,
     INDEX,
     RankGroup,

@@ -18,7 +18,8 @@ and the root of every file carry ``meta_checksum``, the xxh3-64 of a canonical J
   and shape and all its attributes;
 * a file root: its attributes and the links of ``/rank`` (external link targets in the index).
 
-:class:`StepReader` (restore) and the ``ftkit`` CLI verify these before using a value, then
+:class:`ftkit.storage.pfs.h5read.StepReader` (restore) and the ``ftkit`` CLI verify these
+before using a value, then
 cross-check every dataset (``nbytes == prod(ftkit_shape) * itemsize(ftkit_dtype)`` and the
 stored dtype and shape) and the tree against the datasets. Files without the checksum (format
 ``ftkit-hdf5-1``) are refused. h5py is imported lazily: importing ftkit never needs it.
@@ -38,8 +39,8 @@ import numpy as np
 
 from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage import h5files
-from ftkit.storage.h5sink import write_new_file
+from ftkit.storage.pfs import h5files
+from ftkit.storage.pfs.h5sink import write_new_file
 from ftkit.storage.shard import Shard, checksum, create_temp, fsync_dir, write_atomic
 
 FORMAT = "ftkit-hdf5-2"
@@ -382,10 +383,10 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any]) -> None:
 def _write_atomic(path: Path, fill: Callable[[Any], None]) -> dict[str, Any]:
     """Create an HDF5 file at ``path`` atomically: ``fill`` writes into a new private temp
     file (:func:`~ftkit.storage.shard.create_temp`), whose root is then sealed; fsync, file
-    digest, rename, fsync of the directory. Written through :mod:`ftkit.storage.h5sink`, so a
+    digest, rename, fsync of the directory. Written through :mod:`ftkit.storage.pfs.h5sink`, so a
     full or failing file system raises here, inside the caller's error handling, and nothing
     of the temp file (which is removed) can fail later. Returns the file digest (for
-    COMMITTED, :mod:`ftkit.storage.h5files`)."""
+    COMMITTED, :mod:`ftkit.storage.pfs.h5files`)."""
     def fill_sealed(h5: Any) -> None:
         fill(h5)
         seal(h5)
@@ -496,15 +497,3 @@ def raw_bytes(a: Any) -> np.ndarray:
 def datasets(grp: Any) -> list[Any]:
     """Every dataset below an h5py group (links followed), sorted by name."""
     return [ds for _, ds in _dataset_list(grp)]
-
-
-_READERS = ("StepReader", "read_rank", "read_index_attrs")
-
-
-def __getattr__(name: str) -> Any:
-    """``StepReader``, ``read_rank`` and ``read_index_attrs`` live in
-    :mod:`ftkit.storage.h5read` (re-exported here)."""
-    if name in _READERS:
-        from ftkit.storage import h5read
-        return getattr(h5read, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
