@@ -337,10 +337,11 @@ class Checkpointer:
             self._abort(f"{what} did not finish within {self._patience:g} s")
 
     def _capture(self, step: int, levels: tuple[str, ...], state: State) -> Snapshot:
-        """Flatten ``state`` and stage its tensors: CPU tensors straight into a reserved
-        slot of the node-local level when it is due (the shard's one pass; the slot is
-        freed first by releasing this rank's shards that retention drops), the rest into
-        staging buffers. A failure becomes ``snap.failure`` (this rank votes no). Local."""
+        """Flatten ``state`` and stage its tensors. Sync: CPU tensors straight into a
+        reserved slot of the node-local level when it is due (the shard's one pass; the
+        slot is freed first by releasing this rank's shards that retention drops); async,
+        and CUDA tensors: into staging buffers. A failure becomes ``snap.failure`` (this
+        rank votes no). Local."""
         snap = Snapshot(step, levels)
         try:
             self.faults.fire("capture", step)
@@ -352,7 +353,10 @@ class Checkpointer:
                          "time": time.time(), "ftkit": __version__}
             self._state_bytes = sum(leaf.nbytes for leaf in leaves)
             into = None
-            if "local" in levels:
+            if "local" in levels and self._pool is None:
+                # sync: stage straight into the slot (one pass). Async keeps the staging
+                # buffers: the training loop waits only for their copy, and the slot's
+                # reservation and checksums run on the checkpoint thread at write-local
                 self.local.release(self._keep(step))
                 into = self.local.reserve(step, snap.meta, tree, leaves)
             snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
