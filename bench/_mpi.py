@@ -58,6 +58,13 @@ def timed(comm: Any, fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median, min and max of per-round figures, and the rounds."""
+    ordered = sorted(values)
+    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1],
+            "rounds": [round(v, 4) for v in values]}
+
+
 def best_of(comm: Any, fn: Callable[[], object], repeat: int) -> float:
     """The fastest of ``repeat`` :func:`timed` runs of ``fn``."""
     return min(timed(comm, fn) for _ in range(max(1, repeat)))

@@ -102,20 +102,18 @@ def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
     round the ratio memcpy / save (a memcpy of the same bytes on the same ranks timed just
     before each save), and the last step saved. Between saves the state changes (every
     tensor negated, untimed); the last save holds it as it was."""
-    import numpy as np
 
     from ftkit import Checkpointer
     ckpt = Checkpointer(topo, cfg)
     steps = itertools.count(1)
-    src = np.ones(_state_bytes(state), dtype=np.uint8)
-    dst = np.zeros_like(src)                       # both touched: no first-touch faults
+    memcpy = _memcpy_timer(topo, state)
     best, ratios = float("inf"), []
     try:
         for _ in range(WARMUP):
             ckpt.save(next(steps), state)
         for _ in range(repeat):
             _negate(state)
-            copy = _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
+            copy = memcpy()
             seconds = _mpi.timed(topo.comm, lambda: ckpt.save(next(steps), state))
             best = min(best, seconds)
             ratios.append(copy / seconds)
@@ -128,16 +126,18 @@ def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
         ckpt.close()
 
 
+def _memcpy_timer(topo: Any, state: dict[str, Any]) -> Any:
+    """A function timing (barrier to barrier) a memcpy of the state's bytes per rank,
+    between two buffers touched once here (no first-touch faults in the timed copies)."""
+    import numpy as np
+    src = np.ones(_state_bytes(state), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    return lambda: _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
+
+
 def _negate(state: dict[str, Any]) -> None:
     for t in state.values():
         t.neg_()
-
-
-def _spread(values: list[float]) -> dict[str, Any]:
-    """Median, min and max of per-round figures, and the rounds."""
-    ordered = sorted(values)
-    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1],
-            "rounds": [round(v, 4) for v in values]}
 
 
 def _state_bytes(state: dict[str, Any]) -> int:
@@ -174,14 +174,12 @@ def _restore(topo: Any, cfg: Any, state: dict[str, Any], level: str, repeat: int
     rounds), the costs of one more, and per round the ratio memcpy / restore, a memcpy of
     the same bytes on the same ranks timed just before each restore (alternating); the state
     checked every time."""
-    import numpy as np
     lost = {"local": [], "pfs": topo.nodes}.get(level, topo.nodes[-1:])
     best = float("inf")                            # ``want``: the newest step saved
-    src = np.ones(_state_bytes(state), dtype=np.uint8)
-    dst = np.zeros_like(src)                       # both touched: no first-touch faults
+    memcpy = _memcpy_timer(topo, state)
     ratios = []
     for _ in range(repeat):
-        copy = _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
+        copy = memcpy()
         seconds, step = _restore_once(topo, cfg, state, lost)
         if step != want:
             raise AssertionError(f"{level}: restore returned step {step}, expected {want}")
@@ -230,8 +228,8 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
             for op, (seconds, cost) in (("save", saved), ("restore", restored)):
                 out[f"{op}_s"].setdefault(level, {})[key] = seconds
                 out[f"{op}_costs"].setdefault(level, {})[key] = cost
-            out["restore_vs_memcpy"].setdefault(level, {})[key] = _spread(ratios)
-            out["save_vs_memcpy"].setdefault(level, {})[key] = _spread(save_ratios)
+            out["restore_vs_memcpy"].setdefault(level, {})[key] = _mpi.spread(ratios)
+            out["save_vs_memcpy"].setdefault(level, {})[key] = _mpi.spread(save_ratios)
             _drop(topo, cfg)
         del state
     return out

@@ -25,7 +25,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -93,12 +92,6 @@ def _child(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _spread(values: list[float]) -> dict[str, Any]:
-    ordered = sorted(values)
-    return {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1],
-            "rounds": [round(v, 4) for v in values]}
-
-
 def sent_per_rank(world: int, parity: int, nbytes: int) -> float:
     """Bytes each rank sends to encode a set of ``world`` members with ``parity`` blocks
     (the ring of :meth:`ErasureLevel._reduce_parity`: p (k - 1) segments of
@@ -124,7 +117,7 @@ def _report(args: argparse.Namespace, world: int, nbytes: int, t: dict[str, floa
     parity = {"xor": 1, "rs1": 1, "rs": min(2, world - 1)}
     sent = {k: sent_per_rank(world, p, nbytes) for k, p in parity.items()}
     # per round: XOR time / RS time of the same round (alternating rounds, same ranks)
-    vs = {name: _spread([x / r for x, r in zip(rounds["xor"], rounds[name])])
+    vs = {name: _mpi.spread([x / r for x, r in zip(rounds["xor"], rounds[name])])
           for name in ("rs1", "rs")}
     per_byte = vs["rs"]["median"] * sent["rs"] / sent["xor"]
     kernel = gf256_kernel()

@@ -28,13 +28,20 @@ from ftkit import passes
 PIECE = 16 << 20
 
 
+def overwritable(x: Any, device: str) -> bool:
+    """``x`` is a torch tensor on ``device`` (``"cpu"``, ``"cuda"``) whose bytes a restore
+    may overwrite in place: contiguous, dense, not an inference tensor, no lazy conjugate or
+    negative bit, not 0-d."""
+    return (getattr(x, "device", None) is not None and x.device.type == device
+            and x.is_contiguous() and not (x.is_inference() or x.is_sparse or x.is_quantized
+                                           or x.is_conj() or x.is_neg() or x.dim() == 0))
+
+
 def device_target(x: Any) -> Any | None:
     """``x`` as a flat uint8 torch view when it is a CUDA tensor a restore may overwrite
-    (contiguous, not an inference tensor, a plain dense tensor), else None."""
+    (:func:`overwritable`), else None."""
     try:
-        if getattr(x, "device", None) is None or x.device.type != "cuda" \
-                or not x.is_contiguous() or x.is_inference() or x.is_sparse \
-                or x.is_quantized or x.is_conj() or x.is_neg() or x.dim() == 0:
+        if not overwritable(x, "cuda"):
             return None
         import torch
         return x.detach().reshape(-1).view(torch.uint8)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture.devicecopy import device_target
+from ftkit.capture.devicecopy import device_target, overwritable
 from ftkit.capture.flatten import Extra, TensorLeaf, flatten
 
 
@@ -67,9 +67,7 @@ def _bytes_of(x: Any) -> np.ndarray | None:
         ok = x.flags.c_contiguous and x.flags.writeable and not x.dtype.hasobject
         return x.reshape(-1).view(np.uint8) if ok else None
     try:
-        if x.device.type != "cpu" or not x.is_contiguous() or x.is_inference() \
-                or x.is_sparse or x.is_quantized or x.is_conj() or x.is_neg() \
-                or x.dim() == 0:
+        if not overwritable(x, "cpu"):
             return None
         import torch
         view: np.ndarray = x.detach().reshape(-1).view(torch.uint8).numpy()

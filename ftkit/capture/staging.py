@@ -93,9 +93,7 @@ class Stager:
     def buffer(self, index: int, nbytes: int, pinned: bool = False) -> np.ndarray:
         """The uint8 buffer of leaf ``index``; (re)allocated only when its size (or pinning)
         changed. Keyed by position, not path: two leaves may print the same path."""
-        while len(self._buffers) <= index:
-            self._buffers.append(np.empty(0, dtype=np.uint8))
-            self._owners.append(None)
+        self._grow(index)
         buf = self._buffers[index]
         if buf.nbytes != nbytes or (pinned and self._owners[index] is None and nbytes):
             owner = None
@@ -152,12 +150,16 @@ class Stager:
         leaf; its own staging buffer is released), else its staging buffer."""
         if into is None or _is_cuda(leaf.source):
             return self.buffer(index, leaf.nbytes, pinned=_is_cuda(leaf.source))
-        while len(self._buffers) <= index:
-            self._buffers.append(np.empty(0, dtype=np.uint8))
-            self._owners.append(None)
+        self._grow(index)
         self._buffers[index], self._owners[index] = np.empty(0, dtype=np.uint8), None
         view: np.ndarray = into.view(index)
         return view
+
+    def _grow(self, index: int) -> None:
+        """Make room for leaf ``index`` in the per-leaf buffer lists (empty buffers)."""
+        while len(self._buffers) <= index:
+            self._buffers.append(np.empty(0, dtype=np.uint8))
+            self._owners.append(None)
 
     def close(self) -> None:
         if self._pool is not None:

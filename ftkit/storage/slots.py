@@ -16,9 +16,9 @@ that drops the link and frees the slot, without freeing its pages.
 step, so overwriting it cannot touch a committed (or any other) step; only this rank
 creates links to its slots, and it checks the link count right before it writes. (2) The
 step's name is created (a ``link`` under a temp name, renamed into place) only after every
-byte and the header are in the slot and flushed (``msync`` + ``fsync``): a crash before it leaves the step without this rank's shard
-(it never votes yes), a crash after it leaves a complete, verifiable shard in a step
-without ``COMMITTED``. (3) The ``COMMITTED`` record stays the only commit point. (4) A slot
+byte and the header are in the slot and flushed (``msync`` + ``fsync``): a crash before it
+leaves the step without this rank's shard (it never votes yes), a crash after it leaves a
+complete, verifiable shard in a step without ``COMMITTED``. (3) The ``COMMITTED`` record stays the only commit point. (4) A slot
 whose write was interrupted is free garbage: the next save overwrites it whole.
 
 One pass: a slot is *reserved* for a shard first (:func:`ftkit.storage.shard.layout`
@@ -26,9 +26,10 @@ reserves the header's room: its checksums have a fixed width, so the header writ
 afterwards has exactly that length); each tensor is then copied into its place in the
 mapped slot and hashed chunk by chunk as it lands (:func:`copy_hashed`) — by the capture
 itself for CPU tensors (``capture/staging.py``), or at the write from a staging buffer —
-and :meth:`Slots.finish` writes the header and publishes the slot. At most :data:`MAX_SLOTS` slots per rank; when none is free (a PFS flush still
-reads an older step) a new one is made, and with the maximum reached the shard is written
-as a plain new file. Local.
+and :meth:`Slots.finish` writes the header and publishes the slot. At most
+:data:`MAX_SLOTS` slots per rank; when none is free (a PFS flush still reads an older step) a
+new one is made, and with the maximum reached the shard is written as a plain new file.
+Local.
 """
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ class Slots:
             raise OSError(f"{res.slot}: the reserved slot was linked meanwhile; not written")
         for i, buf in enumerate(buffers):
             if res.sums[i] is None:
-                res.sums[i] = copy_hashed(res.view(i), buf)
+                res.copy_in(i, buf)
         sums = [str(x) for x in res.sums]
         final, again = layout(res.meta, res.tree, res.leaves, sums)
         if len(final) != res.head_len or again != res.offsets:
