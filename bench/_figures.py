@@ -17,6 +17,11 @@ LEVEL_BOUND = {"local": ("tmpfs_write", 0.8), "partner": ("p2p_same_node", 0.7),
 RESTORE_BOUND = {"local": ("memcpy", 0.4)}
 #: a whole synchronous node-local save (steady state) against a memcpy of the same bytes
 SAVE_MEMCPY_GOAL = {"local": 0.45}
+#: the largest deviation of a round's save seconds from their median, as a fraction
+SAVE_SPREAD_GOAL = 0.2
+#: private memory a rank holds beyond its state during a synchronous ``local:1`` save, as
+#: a fraction of the state (a staging buffer would be 1.0)
+PRIVATE_MEMORY_GOAL = 0.1
 
 
 def _fig(value: float, unit: str, to: str | None = None, base: float | None = None,
@@ -56,6 +61,12 @@ def levels(part: dict[str, Any], bound: dict[str, float], tag: str = "") -> Figu
         out[f"save vs memcpy[{level}, {size} MiB{tag}]"] = _fig(
             value, "GB/s", "memcpy (same rounds, median)", value / vs["median"],
             SAVE_MEMCPY_GOAL.get(level))
+        rounds = part.get("save_round_s", {}).get(level, {}).get(size)
+        if rounds:
+            mid = sorted(rounds)[len(rounds) // 2]
+            out[f"save spread[{level}, {size} MiB{tag}]"] = _fig(
+                max(abs(r / mid - 1) for r in rounds), "of the median", "1", 1.0,
+                SAVE_SPREAD_GOAL, "<=")
     for level, per_size in part["restore_gb_per_s"].items():
         size, value = _largest(per_size)
         to, goal = RESTORE_BOUND.get(level, (None, None))
@@ -141,6 +152,24 @@ def overlap(part: dict[str, Any]) -> Figures:
     return out
 
 
+def memory(part: dict[str, Any]) -> Figures:
+    """Per rank, beyond its state: peak private memory (the goal's figure, synchronous
+    saves), private memory + node-local files (its footprint), and peak RSS (which also
+    counts the mapped slot pages, the same pages as the node-local files); each as a
+    fraction of the state."""
+    out: Figures = {}
+    state = float(part["state_mib"])
+    for mode, f in part["per_rank_max"].items():
+        tag = f"local:1 {mode}, {part['state_mib']} MiB"
+        goal = PRIVATE_MEMORY_GOAL if mode == "sync" else None
+        out[f"memory private[{tag}]"] = _fig(f["peak_private_mib"], "MiB", "state", state,
+                                              goal, "<=")
+        out[f"memory footprint[{tag}]"] = _fig(f["peak_private_mib"] + f["node_local_mib"],
+                                                "MiB", "state", state)
+        out[f"memory rss[{tag}]"] = _fig(f["peak_rss_mib"], "MiB", "state", state)
+    return out
+
+
 def derive(parts: dict[str, dict[str, Any]]) -> Figures:
     """Every figure the parts allow (parts may be missing)."""
     bound = parts.get("bounds", {}).get("gb_per_s", {})
@@ -148,7 +177,7 @@ def derive(parts: dict[str, dict[str, Any]]) -> Figures:
     steps = (("bounds", lambda p: bounds(p)), ("levels", lambda p: levels(p, bound)),
              ("levels_2ranks", lambda p: levels(p, bound, f", {p['ranks']} ranks")),
              ("redundancy", redundancy), ("hdf5_vs_dcp", peers), ("protocol", protocol),
-             ("recovery", recovery), ("hp_overlap", overlap))
+             ("recovery", recovery), ("hp_overlap", overlap), ("memory", memory))
     for name, fn in steps:
         if name in parts:
             out.update(fn(parts[name]))

@@ -78,19 +78,19 @@ def costs(comm: Any, fn: Callable[[], object], state_bytes: int) -> dict[str, An
     it; Linux ``VmHWM``, reset first). Every rank calls."""
     from ftkit import passes
     comm.Barrier()
-    _reset_peak()
-    rss, before, cpu = _status_kib("VmRSS"), passes.snapshot(), time.process_time()
+    reset_peak()
+    rss, before, cpu = status_kib("VmRSS"), passes.snapshot(), time.process_time()
     fn()
     cpu = time.process_time() - cpu
     moved = passes.passes(passes.since(before), state_bytes)
-    peak = max(0, _status_kib("VmHWM") - rss)
+    peak = max(0, status_kib("VmHWM") - rss)
     every = comm.allgather((moved, cpu, peak))
     return {"passes": {k: round(max(m[k] for m, _, _ in every), 3) for k in moved},
             "cpu_s": round(max(c for _, c, _ in every), 4),
             "peak_extra_mib": round(max(p for _, _, p in every) / 1024, 1)}
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     """Reset this process's peak resident memory (``VmHWM``) to the current one."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -98,7 +98,7 @@ def _reset_peak() -> None:
         pass
 
 
-def _status_kib(key: str) -> int:
+def status_kib(key: str) -> int:
     """A ``/proc/self/status`` figure in KiB (0 where there is none)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():

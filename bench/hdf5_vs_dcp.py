@@ -54,7 +54,7 @@ GOALS = {"ftkit_hdf5_save": "torch_dcp_save", "ftkit_hdf5_load": "torch_dcp_load
 
 
 # ------------------------------------------------------------------------ the state
-def _make_state(rank: int, nbytes: int) -> tuple[dict[str, Any], Any]:
+def make_state(rank: int, nbytes: int) -> tuple[dict[str, Any], Any]:
     """``{"r<rank>": {"model": nn.Linear, "tensors": {...}}}`` and the Linear module."""
     import torch
 
@@ -180,7 +180,7 @@ def _child(args: argparse.Namespace) -> None:
                                  if rank == 0 else None))
     ok = False
     try:
-        state, _model = _make_state(rank, args.size_mib << 20 if not args.quick else 256 << 10)
+        state, _model = make_state(rank, args.size_mib << 20 if not args.quick else 256 << 10)
         ref = {k: v.clone() for k, v in _flat(state).items()}
         nbytes = comm.allreduce(_state_bytes(state))
         topo = Topology.create(comm, ranks_per_node=args.ranks_per_node)

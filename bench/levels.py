@@ -19,7 +19,8 @@ from a barrier to a barrier:
 * save: ``save(step, state)`` at steps 1, 2, ... (2 untimed warm-up saves create the files;
   the state changes between saves, untimed), each timed round preceded by a memcpy of the
   same bytes on the same ranks (``save_vs_memcpy``: median, min, max of the per-round
-  ratios); ``increment`` = save of the level - save of plain local at the same size (what
+  ratios; ``save_round_s``: every round's seconds, whose largest deviation from their
+  median is the ``save spread`` figure); ``increment`` = save of the level - save of plain local at the same size (what
   the level itself costs; noise can make it negative);
 * restore: ``restore(state)`` of a fresh Checkpointer, the state scrambled first and checked
   bit-exact afterwards. local: every file present; partner / xor / rs: the node-local
@@ -60,7 +61,7 @@ def _expected(rank: int, i: int, n: int) -> Any:
     return torch.arange(n, dtype=torch.float32).mul_(1 + rank).add_(i)
 
 
-def _make_state(rank: int, nbytes: int) -> dict[str, Any]:
+def make_state(rank: int, nbytes: int) -> dict[str, Any]:
     n = max(1, nbytes // 4 // N_TENSORS)
     return {f"t{i}": _expected(rank, i, n) for i in range(N_TENSORS)}
 
@@ -96,9 +97,9 @@ def _no_room(level: str, nbytes: int, world: int, settings: dict[str, int]) -> s
 
 # ---------------------------------------------------------------------- measuring
 def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
-          ) -> tuple[float, dict[str, Any], list[float], int]:
+          ) -> tuple[list[float], dict[str, Any], list[float], int]:
     """Steady-state saves (after :data:`WARMUP` untimed ones, which create the files):
-    best seconds of ``repeat`` rounds, the costs of one more save (:func:`_mpi.costs`), per
+    the seconds of ``repeat`` rounds, the costs of one more save (:func:`_mpi.costs`), per
     round the ratio memcpy / save (a memcpy of the same bytes on the same ranks timed just
     before each save), and the last step saved. Between saves the state changes (every
     tensor negated, untimed); the last save holds it as it was."""
@@ -107,21 +108,21 @@ def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
     ckpt = Checkpointer(topo, cfg)
     steps = itertools.count(1)
     memcpy = _memcpy_timer(topo, state)
-    best, ratios = float("inf"), []
+    rounds, ratios = [], []
     try:
         for _ in range(WARMUP):
             ckpt.save(next(steps), state)
         for _ in range(repeat):
-            _negate(state)
+            negate(state)
             copy = memcpy()
             seconds = _mpi.timed(topo.comm, lambda: ckpt.save(next(steps), state))
-            best = min(best, seconds)
+            rounds.append(seconds)
             ratios.append(copy / seconds)
         if repeat % 2:
-            _negate(state)
+            negate(state)
         cost = _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
                           _state_bytes(state))
-        return best, cost, ratios, next(steps) - 1
+        return rounds, cost, ratios, next(steps) - 1
     finally:
         ckpt.close()
 
@@ -135,7 +136,7 @@ def _memcpy_timer(topo: Any, state: dict[str, Any]) -> Any:
     return lambda: _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
 
 
-def _negate(state: dict[str, Any]) -> None:
+def negate(state: dict[str, Any]) -> None:
     for t in state.values():
         t.neg_()
 
@@ -213,9 +214,9 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
     out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {},
                                                  "save_costs": {}, "restore_costs": {},
                                                  "restore_vs_memcpy": {},
-                                                 "save_vs_memcpy": {}}
+                                                 "save_vs_memcpy": {}, "save_round_s": {}}
     for size in args.sizes:
-        state, key = _make_state(topo.rank, size << 20), str(size)
+        state, key = make_state(topo.rank, size << 20), str(size)
         for level in args.levels:
             why = topo.comm.bcast(_no_room(level, size << 20, topo.world, settings)
                                   if topo.rank == 0 else None)
@@ -223,7 +224,9 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                 out["skipped"].setdefault(level, {})[key] = why
                 continue
             cfg = _config(level, size, local, pfs, settings)
-            *saved, save_ratios, last = _save(topo, cfg, state, args.repeat)
+            rounds, save_cost, save_ratios, last = _save(topo, cfg, state, args.repeat)
+            saved = (min(rounds), save_cost)
+            out["save_round_s"].setdefault(level, {})[key] = [round(r, 5) for r in rounds]
             *restored, ratios = _restore(topo, cfg, state, level, args.repeat, last)
             for op, (seconds, cost) in (("save", saved), ("restore", restored)):
                 out[f"{op}_s"].setdefault(level, {})[key] = seconds
@@ -298,7 +301,8 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
         "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
         "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
         "restore_vs_memcpy": res["restore_vs_memcpy"], "save_vs_memcpy": res["save_vs_memcpy"],
-        "warmup_saves": WARMUP, "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
+        "save_round_s": res["save_round_s"], "warmup_saves": WARMUP,
+        "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
         "levels": {lv: LEVELS[lv] for lv in args.levels}, "machine": _mpi.machine(),
         "command": " ".join(["python bench/levels.py",
                              *(a for a in sys.argv[1:] if a != "--child")])})

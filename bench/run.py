@@ -5,8 +5,8 @@ torch.save), protocol cost growth, recovery time, checkpoint overhead of the HP 
     python bench/run.py --smoke --out /tmp/x         # tiny sizes: keeps the code working
 
 Each part is its own script (``bench/bounds.py``, ``levels.py`` (twice: 4 ranks on 2 nodes,
-and the restore goal's 2 ranks x 256 MiB as ``levels_2ranks``), ``redundancy.py``,
-``hdf5_vs_dcp.py``, ``protocol.py``, ``recovery.py``, ``hp_overlap.py``) run as a subprocess
+and the restore goal's 2 ranks x 256 MiB as ``levels_2ranks``), ``memory.py``,
+``redundancy.py``, ``hdf5_vs_dcp.py``, ``protocol.py``, ``recovery.py``, ``hp_overlap.py``) run as a subprocess
 that writes ``<part>.json`` into DIR; this script then derives every ratio the goals name, prints
 ``name: value (ratio to X = r)`` lines, and writes ``DIR/run.json`` (figures + the parts +
 the machine) and PNG plots (matplotlib).
@@ -41,6 +41,8 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
                        "--sizes-mib", "16", "--name", "levels_2ranks"],
                       ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
                        "--sizes-mib", "1", "--repeat", "1", "--name", "levels_2ranks"]),
+    # what a rank holds: the private-memory goal's setting, 2 ranks x 256 MiB, local:1
+    "memory": ([], ["--size-mib", "64"], ["--size-mib", "1", "--saves", "1"]),
     "redundancy": (["--repeat", "5"], ["--size-mib", "16"],
                    ["--ranks", "2", "--size-mib", "1", "--repeat", "1"]),
     "hdf5_vs_dcp": (["--size-mib", "256"], ["--quick", "--ranks", "2"],

@@ -111,3 +111,22 @@ def test_costs_table_shows_the_largest_size_of_each_operation() -> None:
     assert table[2] == "| save | local | 64 | 3 | copy 1, hash 1, write 1 | 0.0123 | 2.5 |"
     assert table[3] == "| restore | pfs | 64 | 1 | read 1 | 0.0123 | 2.5 |"
     assert len(table) == 4 and _figures.costs_markdown({}) == ""
+
+
+def test_save_spread_and_memory_figures() -> None:
+    """The spread of a level's save rounds around their median (goal <= 20 %), and the
+    memory part's private / footprint / RSS figures as fractions of the state (the goal on
+    a synchronous save's private memory only)."""
+    two = {**LEVELS, "ranks": 2, "save_vs_memcpy": {"local": {"64": {"median": 0.5}}},
+           "save_round_s": {"local": {"64": [0.10, 0.09, 0.13, 0.10, 0.11]}}}
+    mem = {"state_mib": 256, "per_rank_max": {
+        "sync": {"peak_private_mib": 3.0, "node_local_mib": 512.0, "peak_rss_mib": 515.0},
+        "async": {"peak_private_mib": 256.0, "node_local_mib": 512.0, "peak_rss_mib": 770.0}}}
+    figs = _figures.derive({"levels_2ranks": two, "memory": mem})
+    spread = figs["save spread[local, 64 MiB, 2 ranks]"]
+    assert spread["value"] == pytest.approx(0.3) and spread["met"] is False
+    private = figs["memory private[local:1 sync, 256 MiB]"]
+    assert private["ratio"] == pytest.approx(3 / 256) and private["met"] is True
+    assert figs["memory private[local:1 async, 256 MiB]"]["met"] is None
+    assert figs["memory footprint[local:1 sync, 256 MiB]"]["ratio"] == pytest.approx(515 / 256)
+    assert figs["memory rss[local:1 async, 256 MiB]"]["value"] == 770.0

@@ -146,3 +146,13 @@ def test_hp_overlap_part(smoke: dict[str, Any]) -> None:
     assert results["local"]["blocked_s_per_step"] > 0      # saves did run and were timed
     assert rep["cores_training"] == 2 and rep["cores_left"] >= 0
     assert "ratio to none" in rep["_stdout"] and "left to the background" in rep["_stdout"]
+
+
+def test_memory_part(smoke: dict[str, Any]) -> None:
+    rep = smoke["parts"]["memory"]
+    assert rep["ranks"] == 2 and set(rep["per_rank_max"]) == {"sync", "async"}
+    for figures in rep["per_rank_max"].values():
+        # two node-local versions of the 1 MiB state at least (plus headers)
+        assert figures["node_local_mib"] >= 2 * rep["state_mib"]
+    assert smoke["figures"]["memory private[local:1 sync, 1 MiB]"]["goal"] == 0.1
+    assert "save spread[local, 1 MiB, 2 ranks]" in smoke["figures"]

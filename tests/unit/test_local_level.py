@@ -330,11 +330,22 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=False, capture_output=True, timeout=30)
+        proc = subprocess.run(["umount", str(mnt)], check=False, capture_output=True,
+                              text=True, timeout=30)
+        if proc.returncode != 0:          # still busy: detach it, and say why
+            subprocess.run(["umount", "-l", str(mnt)], check=False, timeout=30)
+            pytest.fail(f"umount {mnt}: {proc.stderr.strip()} (a file left open?)")
 
 
 def test_full_tmpfs_gives_enospc_and_keeps_previous(tiny_tmpfs: Path) -> None:
     level = _level(tiny_tmpfs / "job" / "node-0", rank=0)
+    try:
+        _fill_and_recover(level)
+    finally:
+        level.close()                   # its mapped slots would keep the tmpfs busy
+
+
+def _fill_and_recover(level: LocalLevel) -> None:
     level.prepare()
     before = _write(level, 1, nbytes=16 * 1024)
     _commit(level, 1)
