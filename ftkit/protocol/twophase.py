@@ -128,17 +128,19 @@ class TwoPhase:
         if not redundant:
             return failure
         if failure is None:
-            failure = self._guard(lambda: self._before_encode(step), step)
+            failure = self._guard(lambda: self._before_encode(step, redundant), step)
         if self.dc.agree(failure, "encode", step):
             return failure
         return self._guard(lambda: self._encode(step, redundant), step)
 
-    def _before_encode(self, step: int) -> None:
-        """Re-verify this rank's tentative shard before copies or parity are made from it,
-        so damage between write and encode is never spread to other nodes."""
+    def _before_encode(self, step: int, redundant: list[str]) -> None:
+        """Re-verify this rank's tentative shard before parity is made from it, so damage
+        between write and encode is never spread to other nodes. Not for partner copies
+        alone: the receiver verifies every byte of a copy as it lands, so a damaged shard
+        is refused there (the receiver votes no) without this extra pass."""
         self.faults.fire("encode", step)
         local = self.levels.get("local")
-        if isinstance(local, LocalLevel):
+        if isinstance(local, LocalLevel) and set(redundant) - {"partner"}:
             local.check_shard(step, self.dc.size)
 
     def _encode(self, step: int, names: list[str]) -> None:

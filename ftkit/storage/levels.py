@@ -49,6 +49,7 @@ class Levels:
         (local call)."""
         self.local.close()
         if self.partner is not None:
+            self.partner.close()
             self.partner.dc.free()
         for level in self.erasure.values():
             level.sdc.free()

@@ -65,7 +65,9 @@ SLOTS = "slots"
 #: one spare); beyond it a shard is written as a plain new file
 MAX_SLOTS = 4
 _PLACEHOLDER = XXH3 + "0" * 16
-_SLOT_NAME = re.compile(r"rank-(\d+)\.\d+\.slot")
+#: ``rank-<r>.<k>.slot`` (rank r's own shards), ``rank-<r>.partner-<q>.<k>.slot`` (the copies
+#: of rank q's shard that rank r holds)
+_SLOT_NAME = re.compile(r"rank-(\d+)(?:\.partner-\d+)?\.\d+\.slot")
 
 
 @dataclass
@@ -111,13 +113,16 @@ class Reservation:
 class Slots:
     """The slots of one rank in one node directory."""
 
-    def __init__(self, node_root: Path, rank: int) -> None:
+    def __init__(self, node_root: Path, rank: int, *, held: int | None = None) -> None:
+        """Rank ``rank``'s slots for its own shards, or (``held``) for the copies of rank
+        ``held``'s shard it holds (partner level)."""
         self.dir = node_root / SLOTS
         self.rank = rank
+        self._stem = f"rank-{rank}" if held is None else f"rank-{rank}.partner-{held}"
         self._open: dict[Path, _Mapped] = {}
 
     def path(self, k: int) -> Path:
-        return self.dir / f"rank-{self.rank}.{k}.slot"
+        return self.dir / f"{self._stem}.{k}.slot"
 
     def write(self, target: Path, meta: dict[str, Any], tree: Any,
               leaves: list[TensorLeaf], buffers: list[np.ndarray]) -> bool:
@@ -146,10 +151,48 @@ class Slots:
         return Reservation(slot, self._map(slot, size), meta, tree, leaves, len(head),
                            offsets, [None] * len(leaves))
 
+    def claim(self, size: int) -> tuple[Path, np.ndarray] | None:
+        """A free slot of ``size`` bytes, mapped: its path and a writable uint8 view of it
+        (for a file received whole, e.g. a partner copy), to :meth:`publish` once complete.
+        None when no slot may be used. OSError when it cannot be allocated."""
+        slot = self._free(size)
+        if slot is None:
+            return None
+        mapped = self._map(slot, size)
+        view = np.frombuffer(mapped.mm, dtype=np.uint8) if size else \
+            np.empty(0, dtype=np.uint8)
+        return slot, view
+
+    def publish(self, slot: Path, target: Path) -> None:
+        """Flush the claimed ``slot`` and make ``target`` name it (atomically replacing what
+        it named). OSError, ``target`` untouched, when the slot is no longer free."""
+        mapped = self._open.get(slot)
+        if mapped is None or not self._still_free(slot, mapped):
+            raise OSError(f"{slot}: the claimed slot was linked or replaced meanwhile; "
+                          f"not published")
+        mapped.mm.flush()
+        os.fsync(mapped.fd)
+        _publish(slot, target)
+
+    def view_of(self, path: Path) -> np.ndarray | None:
+        """A read-only uint8 view of the file ``path`` names when it is one of the slots this
+        object has mapped (a shard this rank wrote: no new mapping, no page faults), else
+        None."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        for mapped in self._open.values():
+            if mapped.ino == st.st_ino and len(mapped.mm) == st.st_size and st.st_size:
+                view = np.frombuffer(mapped.mm, dtype=np.uint8)
+                view.flags.writeable = False
+                return view
+        return None
+
     def finish(self, res: Reservation, target: Path, buffers: list[np.ndarray]) -> None:
         """Copy (and hash) every tensor not yet in the slot from ``buffers``, write the
         header, flush, and publish the slot as ``target``. OSError: ``target`` untouched."""
-        if not self._still_free(res):
+        if not self._still_free(res.slot, res.mapped):
             raise OSError(f"{res.slot}: the reserved slot was linked meanwhile; not written")
         for i, buf in enumerate(buffers):
             if res.sums[i] is None:
@@ -161,16 +204,15 @@ class Slots:
         mm, start = res.mapped.mm, preamble(final)
         mm[:len(start)] = start
         _zero_gaps(mm, len(start), res.offsets, [lf.nbytes for lf in res.leaves], len(mm))
-        mm.flush()
-        os.fsync(res.mapped.fd)
-        _publish(res.slot, target)
+        self.publish(res.slot, target)
 
-    def _still_free(self, res: Reservation) -> bool:
+    @staticmethod
+    def _still_free(slot: Path, mapped: _Mapped) -> bool:
         try:
-            st = os.lstat(res.slot)
+            st = os.lstat(slot)
         except FileNotFoundError:
             return False
-        return st.st_ino == res.mapped.ino and st.st_nlink == 1
+        return st.st_ino == mapped.ino and st.st_nlink == 1
 
     def prune(self, ranks: set[int]) -> None:
         """Remove the free slots of every rank not in ``ranks`` (the ranks now on this

@@ -21,6 +21,7 @@ from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy.erasure import ErasureLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard, write_shard
+from ftkit.storage.slots import Slots
 from ftkit.testing.faults import Faults
 
 from .conftest import FtkitEnv
@@ -149,6 +150,41 @@ def test_partner_copy_corrupted_in_transfer_is_refused(dc, where):
     assert [g[2] for g in got] == [True, True, False, True], got
     assert got[2][3] == ["rank.ftk"], got            # neither the copy nor its temp file
     assert max(allgather(seconds)) < LONG / 2
+
+
+def test_copies_land_straight_in_slots_and_a_refused_one_leaves_the_slot_free(dc, where):
+    """With slots, each copy is received into a free slot of the receiver and published
+    as a hard link (the same bytes, no second file); the sender's shard is sent from the
+    view it already has. A copy corrupted in transfer (rank 2, step 3) is not published:
+    its slot stays free and the next step's copy reuses it."""
+    slots = Slots(where, RANK, held=(RANK - 1) % SIZE)
+    nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    faults = Faults("corrupt:rank=2:step=3:level=partner", rank=RANK, node=RANK, attempt=0)
+    outcomes = []
+    for step in (3, 4):
+        mine = shard(where / f"rank-{step}.ftk", rank=RANK, step=step, version=0)
+        view = np.frombuffer(mine, dtype=np.uint8)
+        verify = Verify("partner", step, SIZE,
+                        tamper=lambda b, s=step: faults.corrupt_buffer(b, level="partner",
+                                                                       step=s))
+        err = catch(exchange, dc, [(where / f"rank-{step}.ftk", nxt)],
+                    [(where / f"copy-{step}.ftk", prv)], "encode", step, verify=verify,
+                    views={where / f"rank-{step}.ftk": view}, slots={prv: slots})
+        copy = where / f"copy-{step}.ftk"
+        ok = _copy_ok(copy, allgather(mine)[prv])
+        outcomes.append((type(err).__name__ if err else None, ok,
+                         copy.stat().st_nlink if copy.exists() else 0,
+                         sorted(p.name for p in (where / "slots").iterdir())))
+    slots.close()
+    got = allgather(outcomes)
+    stem = [f"rank-{r}.partner-{(r - 1) % SIZE}.0.slot" for r in range(SIZE)]
+    for r, (third, fourth) in enumerate(got):
+        assert third == ((None, True, 2, [stem[r]]) if r != 2 else
+                         ("CorruptCheckpointError", False, 0, [stem[r]])), got
+        # rank 2's refused copy left its slot free: step 4 reused it; the others needed a
+        # second slot (the first still holds step 3's copy)
+        assert fourth[:3] == (None, True, 2), got
+        assert len(fourth[3]) == (1 if r == 2 else 2), got
 
 
 # ------------------------------------------------------ parity checked end to end

@@ -249,3 +249,46 @@ def test_the_free_slots_of_ranks_no_longer_here_are_pruned(root: Path) -> None:
     here.retain(set())
     assert [n for n in _slot_files(here) if n.startswith("rank-5")] == []
     assert len([n for n in _slot_files(here) if n.startswith("rank-0")]) == 2
+
+
+def test_a_shard_is_sent_from_the_mapping_its_write_made(root: Path, tmp_path: Path) -> None:
+    """``view_of`` gives the bytes of a shard this rank wrote into a slot (read-only, no new
+    mapping); a file that is not one of its mapped slots (a plain copy with the same bytes,
+    a missing file) gets None."""
+    level = _level(root)
+    _write(level, 1)
+    path = level.shard_path(1)
+    view = level.slots.view_of(path)
+    assert view is not None and not view.flags.writeable
+    assert view.tobytes() == path.read_bytes()
+    plain = tmp_path / "plain.ftk"
+    plain.write_bytes(path.read_bytes())
+    assert level.slots.view_of(plain) is None
+    assert level.slots.view_of(tmp_path / "missing.ftk") is None
+    level.close()
+
+
+def test_a_claimed_slot_is_published_only_while_free(root: Path) -> None:
+    """A partner copy's slot (``rank-<r>.partner-<q>.<k>.slot``): claimed at the received
+    file's size, published as a hard link; once a step names it, it is never claimed
+    again, and publishing a slot someone linked meanwhile raises with the target untouched."""
+    level = _level(root)
+    level.ensure_step_dir(1)
+    held = slots.Slots(root, 0, held=3)
+    claimed = held.claim(4096)
+    assert claimed is not None
+    slot, view = claimed
+    assert slot.name == "rank-0.partner-3.0.slot" and len(view) == 4096
+    view[:] = 7
+    target = level.step_dir(1) / "partner-3.ftk"
+    held.publish(slot, target)
+    assert target.read_bytes() == b"\x07" * 4096 and os.stat(target).st_ino == os.stat(slot).st_ino
+    again = held.claim(4096)
+    assert again is not None and again[0] != slot           # the first is named by step 1
+    os.link(again[0], root / "stolen")
+    other = level.step_dir(1) / "partner-3b.ftk"
+    with pytest.raises(OSError, match="not published"):
+        held.publish(again[0], other)
+    assert not other.exists()
+    held.close()
+    level.close()

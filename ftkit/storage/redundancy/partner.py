@@ -20,6 +20,7 @@ from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard
+from ftkit.storage.slots import Slots
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class PartnerLevel(Level):
         self.rank = dc.rank
         self.sources = [q for q, p in enumerate(partners) if p == self.rank]
         self.faults = faults
+        # the copies this rank holds live in reused slots, like its own shards
+        self.slots = {q: Slots(local.root, self.rank, held=q) for q in self.sources}
 
     def copy_path(self, step: int, source: int) -> Path:
         return self.local.step_dir(step) / f"partner-{source}.ftk"
@@ -51,12 +54,22 @@ class PartnerLevel(Level):
                       owner=(lambda _source: self.rank) if mine else None)
 
     def encode(self, step: int) -> None:
-        """Send my shard to my partner, receive (and verify, as it streams in) the shards I
-        hold. Collective over dc; raises CorruptCheckpointError on a receiver whose copy
-        arrived damaged (its peers complete normally)."""
-        exchange(self.dc, [(self.local.shard_path(step), self.partners[self.rank])],
+        """Send my shard to my partner (from its mapped slot), receive the shards I hold
+        straight into slots of mine, verifying every byte as it lands. Collective over dc;
+        raises CorruptCheckpointError on a receiver whose copy arrived damaged (its peers
+        complete normally): the receiver is the rank that reports a shard damaged on its
+        owner after it was written, too (the owner does not re-read it first)."""
+        mine = self.local.shard_path(step)
+        view = self.local.slots.view_of(mine)
+        exchange(self.dc, [(mine, self.partners[self.rank])],
                  [(self.copy_path(step, q), q) for q in self.sources], "encode", step,
-                 verify=self._verify(step))
+                 verify=self._verify(step), views={mine: view} if view is not None else {},
+                 slots=self.slots)
+
+    def close(self) -> None:
+        """Unmap the slots of the copies (their files stay). Local."""
+        for slots in self.slots.values():
+            slots.close()
 
     def discard(self, step: int) -> None:
         """Remove my uncommitted copies of ``step``: only regular files in a private step

@@ -41,6 +41,7 @@ from ftkit.storage.shard import (
     open_regular,
     parse_header,
 )
+from ftkit.storage.slots import Slots
 
 CHUNK = 8 << 20
 
@@ -115,8 +116,8 @@ class StreamCheck:
 
     def bad(self, reason: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            str(self.path), f"corrupted in transfer from rank {self.source}: {reason}",
-            rank=self.rank, step=self.step, level=self.level)
+            str(self.path), f"corrupted in transfer from rank {self.source} (or on it after "
+            f"it was written): {reason}", rank=self.rank, step=self.step, level=self.level)
 
     def feed(self, piece: np.ndarray) -> None:
         """Check the next ``len(piece)`` bytes of the file."""
@@ -190,10 +191,12 @@ class StreamCheck:
 # ------------------------------------------------------------------ one file each way
 class FileSend:
     """The sends of one file to ``dest``: a size message, then the chunks (views of the
-    mapped file, no copy), all with one tag (MPI keeps their order)."""
+    mapped file, no copy), all with one tag (MPI keeps their order). ``view``: the file's
+    bytes already mapped (a slot of this rank), sent without mapping the file again."""
 
-    def __init__(self, path: Path, dest: int, tag: int) -> None:
-        self.path, self.dest, self.tag = path, dest, tag
+    def __init__(self, path: Path, dest: int, tag: int, view: np.ndarray | None = None
+                 ) -> None:
+        self.path, self.dest, self.tag, self._view = path, dest, tag, view
         self.reqs: list[MPI.Request] = []
         self.size = np.zeros(1, dtype=np.int64)
         self._ctx: contextlib.AbstractContextManager[np.ndarray] | None = None
@@ -204,8 +207,10 @@ class FileSend:
         return int(self.size[0])
 
     def post(self, comm: MPI.Comm) -> None:
-        self._ctx = mapped(self.path)
-        view = self._ctx.__enter__()
+        view = self._view
+        if view is None:
+            self._ctx = mapped(self.path)
+            view = self._ctx.__enter__()
         self.size[0] = len(view)
         self._chunks = chunks(view)
         self.reqs = [comm.Isend([self.size, MPI.INT64_T], self.dest, self.tag)]
@@ -217,14 +222,19 @@ class FileSend:
 
     def close(self) -> None:
         """Unmap the file (deferred while a released request still holds a chunk)."""
-        self._chunks = []
+        self._chunks, self._view = [], None
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = None
 
 
 class FileRecv:
-    """Receive one file from ``source`` into ``path``: the size first, then chunks into two
+    """Receive one file from ``source`` into ``path``: the size first, then the bytes, then
+    flush and publish. With ``slots`` (a :class:`~ftkit.storage.slots.Slots` of this rank),
+    straight into a free slot of the file's size: every chunk's receive is posted at once
+    into its place in the mapped slot and checked as it lands (no buffer, no second write),
+    and the slot is published as ``path`` (a hard link, as for local shards). Without slots,
+    or when none is free: chunks into two
     reused buffers (one receiving while the other is checked and written), then fsync and
     rename. The temp file is a fresh private name (:func:`~ftkit.storage.shard.create_temp`),
     so a planted ``.<name>.tmp`` link is never written through; it is removed on every
@@ -234,9 +244,12 @@ class FileRecv:
     but nothing more is written, and :meth:`finish` raises."""
 
     def __init__(self, comm: MPI.Comm, path: Path, source: int, tag: int,
-                 verify: Verify | None = None) -> None:
+                 verify: Verify | None = None, slots: Slots | None = None) -> None:
         self.comm, self.path, self.source, self.tag = comm, path, source, tag
         self.verify = verify
+        self.slots = slots
+        self.slot: Path | None = None               # the claimed slot (direct mode)
+        self._landing: list[tuple[MPI.Request, np.ndarray]] = []   # direct: in order
         self.tmp: Path | None = None                # created by start()
         self.size = np.zeros(1, dtype=np.int64)
         self.size_req: MPI.Request | None = None
@@ -264,10 +277,27 @@ class FileRecv:
             self.check = StreamCheck(self.path, self.nbytes, source=self.source,
                                      rank=v.rank_of(self.source), step=v.step, world=v.world,
                                      level=v.level)
+        claimed = self._claim()
+        if claimed is not None:
+            self.slot, view = claimed
+            self._landing = [(self.comm.Irecv([c, MPI.BYTE], self.source, self.tag), c)
+                             for c in chunks(view)]
+            self._bufs = [c for _, c in self._landing]
+            return
         self._fd, self.tmp = create_temp(self.path)
         n = min(CHUNK, self.nbytes)
         self._bufs = [np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)]
         self._post()
+
+    def _claim(self) -> tuple[Path, np.ndarray] | None:
+        """A free slot of the file's size, or None (no slots, none free, or none can be
+        allocated now: the file is written as a plain one)."""
+        if self.slots is None or not self.nbytes:
+            return None
+        try:
+            return self.slots.claim(self.nbytes)
+        except OSError:
+            return None
 
     def _post(self) -> None:
         n = min(CHUNK, self.nbytes - self._next)
@@ -279,6 +309,8 @@ class FileRecv:
         """Progress: when the chunk in flight arrived, post the next and take this one."""
         if self.done:
             return True
+        if self.slot is not None:
+            return self._poll_direct()
         assert self._pending is not None
         req, buf = self._pending
         if not req.Test():
@@ -289,6 +321,13 @@ class FileRecv:
             self._pending = None
             self.done = True
         self._take(buf)
+        return self.done
+
+    def _poll_direct(self) -> bool:
+        """Check every chunk that has landed, in file order."""
+        while self._landing and self._landing[0][0].Test():
+            self._take(self._landing.pop(0)[1])
+        self.done = not self._landing
         return self.done
 
     def _take(self, buf: np.ndarray) -> None:
@@ -304,12 +343,13 @@ class FileRecv:
             self.error = exc
             self.abandon()
             return
-        assert self._fd is not None
-        _write_all(self._fd, buf)
+        if self.slot is None:
+            assert self._fd is not None
+            _write_all(self._fd, buf)
 
     def pending(self) -> list[MPI.Request]:
         return [r for r in (self.size_req, self._pending[0] if self._pending else None)
-                if r is not None]
+                if r is not None] + [r for r, _ in self._landing]
 
     def buffers(self) -> list[np.ndarray]:
         return [self.size, *self._bufs]
@@ -320,6 +360,10 @@ class FileRecv:
             raise self.error
         if self.check is not None:
             self.check.finish()
+        if self.slot is not None:
+            assert self.slots is not None
+            self.slots.publish(self.slot, self.path)
+            return
         assert self._fd is not None and self.tmp is not None
         os.fsync(self._fd)
         os.close(self._fd)
@@ -340,7 +384,9 @@ class FileRecv:
 
 # ------------------------------------------------------------------------- calls
 def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path, int]],
-             phase: str, step: int, *, verify: Verify | None = None) -> None:
+             phase: str, step: int, *, verify: Verify | None = None,
+             views: dict[Path, np.ndarray] | None = None,
+             slots: dict[int, Slots] | None = None) -> None:
     """Send and receive whole files point-to-point (each pair of ranks exchanges at most one
     file per direction per call). Every rank named as a peer must call with the matching
     entry (and the same ``step``); ranks with nothing to do may skip the call.
@@ -350,7 +396,9 @@ def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path
     while it streams in; a file that fails is not kept and the call raises its
     CorruptCheckpointError once every transfer of the call has completed. On any error every
     request the call posted is released (cancelled, or parked until MPI is done with it) and
-    no partial file is left."""
+    no partial file is left. ``views``: files to send whose bytes are already mapped (by
+    path); ``slots``: where to receive each source's file directly (by source rank)."""
+    views, slots = views or {}, slots or {}
     dc.reap()
     tags: dict[tuple[int, int], int] = {}
 
@@ -358,8 +406,8 @@ def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path
         if (src, dst) not in tags:
             tags[src, dst] = dc.bulk_tag(step, src, dst)
         return tags[src, dst]
-    out = [FileSend(path, dest, tag(dc.rank, dest)) for path, dest in sends]
-    into = [FileRecv(dc.comm, path, source, tag(source, dc.rank), verify)
+    out = [FileSend(path, dest, tag(dc.rank, dest), views.get(path)) for path, dest in sends]
+    into = [FileRecv(dc.comm, path, source, tag(source, dc.rank), verify, slots.get(source))
             for path, source in recvs]
     try:
         sizes = [rx.post_size() for rx in into]
