@@ -49,7 +49,8 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
                     ["--quick", "--ranks", "2", "--size-mib", "4", "--repeat", "1"]),
     "protocol": ([], ["--quick"], ["--quick", "--ranks-list", "2,4", "--saves", "4"]),
     "recovery": ([], ["--quick"], ["--quick"]),
-    "hp_overlap": ([], ["--steps", "20"], ["--steps", "4", "--hidden", "32", "--seq", "16"]),
+    "hp_overlap": ([], ["--steps", "20", "--repeat", "2"],
+                   ["--steps", "6", "--hidden", "32", "--seq", "16", "--repeat", "1"]),
 }
 
 #: parts run by another part's script (with their own arguments and report name)

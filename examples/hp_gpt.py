@@ -379,13 +379,15 @@ def pick_device(choice: str, comm: MPI.Comm) -> torch.device:
 
 def timing(comm: MPI.Comm, iters: list[float], blocked: list[float], state_bytes: int
            ) -> dict[str, float]:
-    """Median iteration time (the first two, warm-up, left out), training-loop blocking per
-    step over all steps, and the checkpointed tensor bytes: slowest / largest rank.
-    Collective over ``comm``."""
+    """Median (= p50) and 99th percentile of the iteration times (the first two, warm-up,
+    left out), training-loop blocking per step over all steps, and the checkpointed tensor
+    bytes: slowest / largest rank. Collective over ``comm``."""
     steady = iters[2:] or iters
     iter_s = float(np.median(steady)) if steady else 0.0
+    p99 = float(np.percentile(steady, 99)) if steady else 0.0
     per_step = sum(blocked) / max(1, len(iters))
     return {"iter_s": comm.allreduce(iter_s, op=MPI.MAX),
+            "iter_p99_s": comm.allreduce(p99, op=MPI.MAX),
             "blocked_s_per_step": comm.allreduce(per_step, op=MPI.MAX),
             "state_mib": comm.allreduce(state_bytes, op=MPI.MAX) / 2**20}
 

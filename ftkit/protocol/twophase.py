@@ -21,7 +21,6 @@ from ftkit.capture.staging import Staging
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.level import Level
-from ftkit.storage.local import LocalLevel
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -128,20 +127,18 @@ class TwoPhase:
         if not redundant:
             return failure
         if failure is None:
-            failure = self._guard(lambda: self._before_encode(step, redundant), step)
+            failure = self._guard(lambda: self._before_encode(step), step)
         if self.dc.agree(failure, "encode", step):
             return failure
         return self._guard(lambda: self._encode(step, redundant), step)
 
-    def _before_encode(self, step: int, redundant: list[str]) -> None:
-        """Re-verify this rank's tentative shard before parity is made from it, so damage
-        between write and encode is never spread to other nodes. Not for partner copies
-        alone: the receiver verifies every byte of a copy as it lands, so a damaged shard
-        is refused there (the receiver votes no) without this extra pass."""
+    def _before_encode(self, step: int) -> None:
+        """The ``encode`` fault point. The shard is not re-read here: damage between write
+        and encode is still never spread to other nodes, because each level verifies what
+        it encodes in the pass that encodes it (a partner copy byte by byte on its receiver,
+        which votes no; XOR/RS parity from the own shard checked in the pass that folds and
+        checksums it, so every member of the set refuses to write parity)."""
         self.faults.fire("encode", step)
-        local = self.levels.get("local")
-        if isinstance(local, LocalLevel) and set(redundant) - {"partner"}:
-            local.check_shard(step, self.dc.size)
 
     def _encode(self, step: int, names: list[str]) -> None:
         for name in names:

@@ -52,6 +52,7 @@ class Levels:
             self.partner.close()
             self.partner.dc.free()
         for level in self.erasure.values():
+            level.close()
             level.sdc.free()
 
     def by_name(self) -> dict[str, Level]:

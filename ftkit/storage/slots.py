@@ -65,9 +65,10 @@ SLOTS = "slots"
 #: one spare); beyond it a shard is written as a plain new file
 MAX_SLOTS = 4
 _PLACEHOLDER = XXH3 + "0" * 16
-#: ``rank-<r>.<k>.slot`` (rank r's own shards), ``rank-<r>.partner-<q>.<k>.slot`` (the copies
-#: of rank q's shard that rank r holds)
-_SLOT_NAME = re.compile(r"rank-(\d+)(?:\.partner-\d+)?\.\d+\.slot")
+#: ``rank-<r>.<k>.slot`` (rank r's own shards), ``rank-<r>.<what>-<i>.<k>.slot`` (files of
+#: a redundancy level rank r holds: ``partner-<q>`` the copies of rank q's shard,
+#: ``xor-<set>`` / ``rs-<set>`` its parity of an erasure set)
+_SLOT_NAME = re.compile(r"rank-(\d+)(?:\.[a-z]+-\d+)?\.\d+\.slot")
 
 
 @dataclass
@@ -113,12 +114,15 @@ class Reservation:
 class Slots:
     """The slots of one rank in one node directory."""
 
-    def __init__(self, node_root: Path, rank: int, *, held: int | None = None) -> None:
-        """Rank ``rank``'s slots for its own shards, or (``held``) for the copies of rank
-        ``held``'s shard it holds (partner level)."""
+    def __init__(self, node_root: Path, rank: int, *, of: str | None = None) -> None:
+        """Rank ``rank``'s slots for its own shards, or for one kind of redundancy file it
+        holds: ``of`` is ``partner-<q>`` (copies of rank q's shard) or ``<xor|rs>-<set>``
+        (its parity of that erasure set)."""
+        if of is not None and not re.fullmatch(r"[a-z]+-\d+", of):
+            raise ValueError(f"slots of {of!r}: expected <level>-<number>")
         self.dir = node_root / SLOTS
         self.rank = rank
-        self._stem = f"rank-{rank}" if held is None else f"rank-{rank}.partner-{held}"
+        self._stem = f"rank-{rank}" if of is None else f"rank-{rank}.{of}"
         self._open: dict[Path, _Mapped] = {}
 
     def path(self, k: int) -> Path:

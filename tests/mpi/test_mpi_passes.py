@@ -8,6 +8,10 @@ What each operation touches today, and so what the counters must say:
 * partner save: that, plus the send (from the mapped slot, not re-read first), the
   partner's receive straight into a slot of its own, and its streaming check of the bytes
   as they land (no second write);
+* XOR save (a set of 2 on 2 nodes: the parity is as large as a shard): the local write,
+  one pass over the own shard that verifies it and computes its whole-file checksum and
+  segment folds (``erasure.scan``), the send, the receive straight into the parity slot,
+  and the parity's checksums computed in place;
 * restore from the node-local level: one pass, each tensor read straight into the live
   tensor with its checksum computed as the bytes land (discovery reads headers only, of
   the own shard and of the partner copies a rank holds).
@@ -73,7 +77,10 @@ def test_partner_save_and_restore_passes(ftkit_env) -> None:
         assert rank_got["restore"] == pytest.approx({"copy": 1, "total": 1}, abs=0.01), got
 
 
-def test_xor_restore_reads_no_parity_when_nothing_is_lost(ftkit_env) -> None:
+def test_xor_save_and_restore_passes(ftkit_env) -> None:
+    """A restore that loses nothing reads no parity."""
     got = allgather(_measure("local:1,xor:1", xor_set=2))
     for rank_got in got:
+        assert rank_got["save"] == pytest.approx(
+            {"hash": 2, "write": 1, "send": 1, "recv": 1, "total": 5}, abs=0.02), got
         assert rank_got["restore"] == pytest.approx({"copy": 1, "total": 1}, abs=0.01), got

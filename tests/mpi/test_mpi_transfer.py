@@ -157,7 +157,7 @@ def test_copies_land_straight_in_slots_and_a_refused_one_leaves_the_slot_free(dc
     as a hard link (the same bytes, no second file); the sender's shard is sent from the
     view it already has. A copy corrupted in transfer (rank 2, step 3) is not published:
     its slot stays free and the next step's copy reuses it."""
-    slots = Slots(where, RANK, held=(RANK - 1) % SIZE)
+    slots = Slots(where, RANK, of=f"partner-{(RANK - 1) % SIZE}")
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     faults = Faults("corrupt:rank=2:step=3:level=partner", rank=RANK, node=RANK, attempt=0)
     outcomes = []

@@ -130,3 +130,25 @@ def test_save_spread_and_memory_figures() -> None:
     assert figs["memory private[local:1 async, 256 MiB]"]["met"] is None
     assert figs["memory footprint[local:1 sync, 256 MiB]"]["ratio"] == pytest.approx(515 / 256)
     assert figs["memory rss[local:1 async, 256 MiB]"]["value"] == 770.0
+
+
+def test_hp_overheads_from_alternating_rounds() -> None:
+    """Each round's p50 / p99 against the same round's run without checkpoints; the
+    figures are the medians over rounds, with goals on the p50 only."""
+    import hp_overlap
+    def run(p50: float, p99: float) -> dict[str, float]:
+        return {"iter_s": p50, "iter_p99_s": p99, "blocked_s_per_step": 0.001,
+                "state_mib": 4.0}
+    rounds = {"none": [run(0.20, 0.30), run(0.25, 0.40), run(0.20, 0.30)],
+              "local+partner": [run(0.22, 0.33), run(0.25, 0.50), run(0.21, 0.36)],
+              "local+partner every 5th": [run(0.20, 0.30), run(0.26, 0.40), run(0.20, 0.3)]}
+    results = hp_overlap.summarize(rounds)
+    every = results["local+partner"]
+    assert every["overhead_p50"]["median"] == pytest.approx(0.05)      # .10, .00, .05
+    assert every["overhead_p99"]["median"] == pytest.approx(0.2)       # .10, .25, .20
+    assert every["iter_s"] == pytest.approx(0.22)
+    figs = _figures.overlap({"results": results})
+    assert figs["hp overhead p50[local+partner]"]["met"] is True        # 0.05 <= 0.05
+    assert figs["hp overhead p50[local+partner every 5th]"]["goal"] == 0.01
+    assert figs["hp overhead p99[local+partner]"]["goal"] is None
+    assert "hp overhead p50[none]" not in figs

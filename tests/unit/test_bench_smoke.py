@@ -137,15 +137,18 @@ def test_hp_overlap_part(smoke: dict[str, Any]) -> None:
     rep = dict(smoke["parts"]["hp_overlap"])
     rep["_stdout"] = smoke["_stdout"]
     results = rep["results"]
-    assert set(results) == {"none", "local", "local+partner", "local+partner+pfs",
-                            "local+partner sync"}
+    assert set(results) == {"none", "local", "local+partner", "local+partner every 5th",
+                            "local+partner+pfs", "local+partner sync"}
     assert not results["local+partner sync"]["async"] and results["local"]["async"]
     for name, r in results.items():
-        _positive(r, ["iter_s", "ratio_to_none", "state_mib"])
+        _positive(r, ["iter_s", "iter_p99_s", "ratio_to_none", "state_mib"])
+        assert len(r["rounds"]) == 1 and r["overhead_p50"]["rounds"], (name, r)
         assert r["blocked_s_per_step"] >= 0 and r["blocked_fraction"] >= 0, (name, r)
     assert results["local"]["blocked_s_per_step"] > 0      # saves did run and were timed
     assert rep["cores_training"] == 2 and rep["cores_left"] >= 0
     assert "ratio to none" in rep["_stdout"] and "left to the background" in rep["_stdout"]
+    assert smoke["figures"]["hp overhead p50[local+partner]"]["goal"] == 0.05
+    assert smoke["figures"]["hp overhead p50[local+partner every 5th]"]["goal"] == 0.01
 
 
 def test_memory_part(smoke: dict[str, Any]) -> None:

@@ -371,3 +371,38 @@ def test_decode_rows_prefers_data_and_returns_inverse() -> None:
     # nothing lost in a stripe: the identity
     chosen, inv = lay.decode_rows(1, {0, 1, 2}, set())  # type: ignore[misc]
     assert chosen == [("d", 0), ("d", 1), ("d", 2)] and inv == identity(3)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_scan_verifies_and_folds_a_shard_in_one_pass(tmp_path, m: int) -> None:
+    """``scan`` gives the whole-file checksum and each segment's fold exactly as the
+    separate passes did (``checksum``, ``fold(segments(...))``), reads the bytes once, and
+    refuses a shard with a flipped tensor byte, naming the file, rank, step and the damage."""
+    from ftkit import passes
+    from ftkit.capture.flatten import TensorLeaf
+    from ftkit.errors import CorruptCheckpointError
+    from ftkit.storage.redundancy.erasure import fold, scan
+    from ftkit.storage.redundancy.transfer import StreamCheck
+    from ftkit.storage.shard import checksum, write_shard
+
+    rng = np.random.default_rng(m)
+    sizes = (1_000_003, 5, 0, 300_001)                # odd sizes: an unaligned tail
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    leaves = [TensorLeaf(f"t/{i}", "numpy", "|u1", (n,), n) for i, n in enumerate(sizes)]
+    path = tmp_path / "rank-1.ftk"
+    write_shard(path, {"job": "u", "step": 4, "rank": 1, "world": 2}, None, leaves, bufs)
+    data = np.frombuffer(path.read_bytes(), dtype=np.uint8).copy()
+    s = segment_size([len(data) + 4096], m)          # another member's shard is longer
+
+    def check() -> StreamCheck:
+        return StreamCheck(path, len(data), source=1, rank=1, step=4, world=None,
+                           level="local", damage="damaged after it was written")
+    before = passes.snapshot()
+    whole, folds = scan(data, m, s, check())
+    assert passes.passes(passes.since(before), len(data))["total"] < 1.01
+    assert whole == checksum(data)
+    assert folds == [fold(seg).tobytes() for seg in segments(data, m, s)]
+    data[len(data) // 2] ^= 1                         # inside tensor t/0
+    with pytest.raises(CorruptCheckpointError, match="damaged after it was written") as info:
+        scan(data, m, s, check())
+    assert "rank-1.ftk" in str(info.value) and "step 4" in str(info.value)

@@ -274,7 +274,7 @@ def test_a_claimed_slot_is_published_only_while_free(root: Path) -> None:
     again, and publishing a slot someone linked meanwhile raises with the target untouched."""
     level = _level(root)
     level.ensure_step_dir(1)
-    held = slots.Slots(root, 0, held=3)
+    held = slots.Slots(root, 0, of="partner-3")
     claimed = held.claim(4096)
     assert claimed is not None
     slot, view = claimed

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from mpi4py import MPI
 
 from ftkit import passes
@@ -40,8 +41,17 @@ from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.stripes import Layout
-from ftkit.storage.redundancy.transfer import mapped
-from ftkit.storage.shard import ALIGN, Shard, checksum, write_atomic, write_shard
+from ftkit.storage.redundancy.transfer import StreamCheck, mapped
+from ftkit.storage.shard import (
+    ALIGN,
+    READ_CHUNK,
+    XXH3,
+    Shard,
+    checksum,
+    write_atomic,
+    write_shard,
+)
+from ftkit.storage.slots import Reservation, Slots
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,27 @@ def fold(seg: np.ndarray) -> np.ndarray:
     tail = words[whole:]
     out[:len(tail)] ^= tail
     return out.view(np.uint8)
+
+
+def scan(data: np.ndarray, m: int, s: int, check: StreamCheck) -> tuple[str, list[bytes]]:
+    """One pass over a shard's bytes, :data:`~ftkit.storage.shard.READ_CHUNK` at a time while
+    each piece is in cache: ``check`` verifies it (header, every tensor's checksum, zero
+    padding: CorruptCheckpointError), and it yields the whole-file checksum and the
+    :func:`fold` of each of the ``m`` segments of ``s`` bytes (the zero tail adds nothing)."""
+    whole, folds = xxhash.xxh3_64(), []
+    for q in range(m):
+        acc = np.zeros(FOLD, dtype=np.uint8)
+        end = min((q + 1) * s, len(data))
+        for a in range(q * s, end, READ_CHUNK):
+            piece = data[a:min(a + READ_CHUNK, end)]
+            check.feed(piece)
+            whole.update(piece.data)
+            if len(piece) % 8:                  # only a shard's last piece: pad its tail
+                piece = np.concatenate([piece, np.zeros(-len(piece) % 8, np.uint8)])
+            np.bitwise_xor(acc, fold(piece), out=acc)
+        folds.append(acc.tobytes())
+    check.finish()              # counted its one ``hash`` pass (the other sums ride on it)
+    return XXH3 + whole.hexdigest(), folds
 
 
 def segment_size(sizes: list[int], m: int) -> int:
@@ -98,6 +129,7 @@ class ErasureLevel(Level):
         self.index = sdc.rank
         self.layout = Layout(len(members), parity)
         self.faults = faults
+        self.slots = Slots(local.root, local.rank, of=f"{name}-{set_id}")   # parity files
 
     def parity_path(self, step: int) -> Path:
         return self.local.step_dir(step) / f"{self.name}-{self.set_id}-{self.index}.ftk"
@@ -110,32 +142,71 @@ class ErasureLevel(Level):
         (a planted symbolic link is never read; no member writes parity)."""
         with contextlib.ExitStack() as stack:
             data = self._own_data(stack, step)
+            sizes = self.sdc.allgather(len(data) if isinstance(data, np.ndarray) else 0,
+                                       "encode", step)
+            s = segment_size(sizes, self.layout.m)
+            mine = self._scanned(data, s, step) if isinstance(data, np.ndarray) else data
             info = self.sdc.allgather(
-                {"size": len(data), "checksum": checksum(data), "problem": None}
-                if isinstance(data, np.ndarray) else {"problem": data.reason}, "encode", step)
+                {"checksum": mine[0], "folds": [f.hex() for f in mine[1]], "problem": None}
+                if isinstance(mine, tuple) else {"problem": mine.reason}, "encode", step)
             self._refuse_unusable(step, [i["problem"] for i in info])
             assert isinstance(data, np.ndarray)           # else refused above
-            sizes = [i["size"] for i in info]
-            s = segment_size(sizes, self.layout.m)
-            segs = segments(data, self.layout.m, s)
-            folds = self.sdc.allgather([fold(seg).tobytes().hex() for seg in segs],
-                                       "encode", step)
-            parity = self._reduce_parity(segs, s, step)
-        self._check_parity(step, parity, [[bytes.fromhex(f) for f in fs] for fs in folds])
-        meta = {"job": self.local.root.parent.name, "step": step, "rank": self.local.rank,
-                "world": -1, "level": self.name, "set": self.set_id, "members": self.members,
-                "index": self.index, "k": self.layout.k, "p": self.layout.p, "seg": s,
-                "sizes": sizes, "checksums": [i["checksum"] for i in info]}
-        leaves = [TensorLeaf(f"parity/{j}", "numpy", "|u1", (s,), s)
-                  for j in range(self.layout.p)]
-        write_shard(self.parity_path(step), meta, None, leaves, parity)
+            meta = {"job": self.local.root.parent.name, "step": step,
+                    "rank": self.local.rank, "world": -1, "level": self.name,
+                    "set": self.set_id, "members": self.members, "index": self.index,
+                    "k": self.layout.k, "p": self.layout.p, "seg": s, "sizes": sizes,
+                    "checksums": [i["checksum"] for i in info]}
+            leaves = [TensorLeaf(f"parity/{j}", "numpy", "|u1", (s,), s)
+                      for j in range(self.layout.p)]
+            res = self._reserve(meta, leaves)
+            parity = self._reduce_parity(segments(data, self.layout.m, s), s, step, res)
+        self._check_parity(step, parity, [[bytes.fromhex(f) for f in i["folds"]]
+                                          for i in info])
+        if res is None:
+            write_shard(self.parity_path(step), meta, None, leaves, parity)
+            return
+        for i in range(self.layout.p):
+            res.hash_in_place(i)
+        self.slots.finish(res, self.parity_path(step), [])
+
+    def _reserve(self, meta: dict[str, Any], leaves: list[TensorLeaf]) -> Reservation | None:
+        """A free parity slot laid out for this step's parity file, for the ring to leave
+        each parity segment in (no copy, no second write); None when none may be used now
+        (the parity is then received in memory and written as a plain file)."""
+        try:
+            return self.slots.reserve(meta, None, leaves)
+        except OSError as exc:
+            log.warning("rank %d: no %s parity slot (%s); writing a plain file",
+                        self.local.rank, self.name, exc)
+            return None
+
+    def close(self) -> None:
+        """Unmap the parity slots (their files stay). Local."""
+        self.slots.close()
+
+    def _scanned(self, data: np.ndarray, s: int, step: int
+                 ) -> tuple[str, list[bytes]] | CorruptCheckpointError:
+        """My shard verified in the pass that computes its whole-file checksum and segment
+        folds (:func:`scan`): ``(checksum, folds)``, or why it is damaged (not raised:
+        every member must reach the next collective)."""
+        me, path = self.local.rank, self.local.shard_path(step)
+        check = StreamCheck(path, len(data), source=me, rank=me, step=step, world=None,
+                            level="local", damage="damaged after it was written")
+        try:
+            return scan(data, self.layout.m, s, check)
+        except CorruptCheckpointError as exc:
+            return exc
 
     def _own_data(self, stack: contextlib.ExitStack, step: int
                   ) -> np.ndarray | CorruptCheckpointError:
-        """A view of my shard of ``step`` (mapped as long as ``stack``), or why it is not
-        usable (the error, not raised: every member must reach the next collective)."""
+        """A view of my shard of ``step`` (the slot mapping its write made, else mapped as
+        long as ``stack``), or why it is not usable (the error, not raised: every member
+        must reach the next collective)."""
         path = self.local.shard_path(step)
         try:
+            view = self.local.slots.view_of(self._own_file(path, step, "shard"))
+            if view is not None:
+                return view
             return stack.enter_context(mapped(self._own_file(path, step, "shard"),
                                               rank=self.local.rank, step=step,
                                               level=self.name))
@@ -176,19 +247,24 @@ class ErasureLevel(Level):
                     f"from member {(me - 1) % lay.k}); not written",
                     rank=self.local.rank, step=step, level=self.name)
 
-    def _reduce_parity(self, segs: list[np.ndarray], s: int, step: int) -> list[np.ndarray]:
+    def _reduce_parity(self, segs: list[np.ndarray], s: int, step: int,
+                       res: Reservation | None) -> list[np.ndarray]:
         """Ring reduce-scatter (SCR's XOR pattern), one pass per parity index j: the partial
         sum of stripe t's parity j starts at its holder's successor, gathers every member's
         contribution around the ring and arrives at the holder after k - 1 hops. Each rank
-        sends and receives p (k - 1) segments of s bytes; XOR runs on 64-bit words. The
-        ``corrupt`` fault of this level hits the last partial sum received (the parity)."""
+        sends and receives p (k - 1) segments of s bytes; XOR runs on 64-bit words. With a
+        reserved parity slot ``res`` each partial sum is received into the parity's place
+        in it, so the last one is the parity in its file. The ``corrupt`` fault of this
+        level hits the last partial sum received (the parity)."""
         lay, me, k = self.layout, self.index, self.layout.k
         comm, nxt, prv = self.sdc.comm, (me + 1) % k, (me - 1) % k
         tag_out, tag_in = self.sdc.bulk_tag(step, me, nxt), self.sdc.bulk_tag(step, prv, me)
         parity: list[np.ndarray] = [np.empty(0, np.uint8)] * lay.p
         scratch = np.empty(s, dtype=np.uint8) if lay.p > 1 else None
         for j in range(lay.p):
-            acc, inbox = np.zeros(s, dtype=np.uint8), np.empty(s, dtype=np.uint8)
+            at = lay.parity_slot(me, (me - j) % k)
+            acc = np.zeros(s, dtype=np.uint8)
+            inbox = res.view(at) if res is not None else np.empty(s, dtype=np.uint8)
             for hop in range(1, k):
                 mine = self._contribution((me - hop - j) % k, j, segs, scratch)
                 if hop == 1:
@@ -208,7 +284,7 @@ class ErasureLevel(Level):
                                        comm.Irecv(_words(inbox), prv, tag=tag_in)],
                                       "encode", step, 2 * s, [send, inbox, acc, *segs])
             self.faults.corrupt_buffer(inbox, level=self.name, step=step)
-            parity[lay.parity_slot(me, (me - j) % k)] = inbox
+            parity[at] = inbox
         return parity
 
     def _contribution(self, t: int, j: int, segs: list[np.ndarray],

@@ -40,7 +40,7 @@ class PartnerLevel(Level):
         self.sources = [q for q, p in enumerate(partners) if p == self.rank]
         self.faults = faults
         # the copies this rank holds live in reused slots, like its own shards
-        self.slots = {q: Slots(local.root, self.rank, held=q) for q in self.sources}
+        self.slots = {q: Slots(local.root, self.rank, of=f"partner-{q}") for q in self.sources}
 
     def copy_path(self, step: int, source: int) -> Path:
         return self.local.step_dir(step) / f"partner-{source}.ftk"

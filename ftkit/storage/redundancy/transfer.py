@@ -103,8 +103,12 @@ class StreamCheck:
     step and the level."""
 
     def __init__(self, path: Path, size: int, *, source: int, rank: int, step: int,
-                 world: int | None, level: str) -> None:
+                 world: int | None, level: str, damage: str | None = None) -> None:
+        """``damage``: how errors describe a mismatch (default: corrupted in transfer from
+        ``source``, or on it after it was written)."""
         self.path, self.size, self.source = path, size, source
+        self.damage = damage or (f"corrupted in transfer from rank {source} (or on it "
+                                 f"after it was written)")
         self.rank, self.step, self.world, self.level = rank, step, world, level
         self.pos = 0                                     # bytes fed so far
         self.header: dict[str, Any] | None = None
@@ -115,9 +119,8 @@ class StreamCheck:
         self._hash = xxhash.xxh3_64()
 
     def bad(self, reason: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            str(self.path), f"corrupted in transfer from rank {self.source} (or on it after "
-            f"it was written): {reason}", rank=self.rank, step=self.step, level=self.level)
+        return CorruptCheckpointError(str(self.path), f"{self.damage}: {reason}",
+                                      rank=self.rank, step=self.step, level=self.level)
 
     def feed(self, piece: np.ndarray) -> None:
         """Check the next ``len(piece)`` bytes of the file."""
