@@ -17,6 +17,9 @@ LEVEL_BOUND = {"local": ("tmpfs_write", 0.8), "partner": ("p2p_same_node", 0.7),
 RESTORE_BOUND = {"local": ("memcpy", 0.4)}
 #: a whole synchronous node-local save (steady state) against a memcpy of the same bytes
 SAVE_MEMCPY_GOAL = {"local": 0.45}
+#: a whole synchronous save with a redundancy level (steady state) against the slower of a
+#: memcpy and an MPI p2p exchange of the same bytes (median of per-round ratios)
+SAVE_BOUND_GOAL = {"partner": 0.45, "xor": 0.4}
 #: the largest deviation of a round's save seconds from their median, as a fraction
 SAVE_SPREAD_GOAL = 0.2
 #: private memory a rank holds beyond its state during a synchronous ``local:1`` save, as
@@ -67,6 +70,13 @@ def levels(part: dict[str, Any], bound: dict[str, float], tag: str = "") -> Figu
             out[f"save spread[{level}, {size} MiB{tag}]"] = _fig(
                 max(abs(r / mid - 1) for r in rounds), "of the median", "1", 1.0,
                 SAVE_SPREAD_GOAL, "<=")
+    for level, per_size in part.get("save_vs_bound", {}).items():
+        size, vs = _largest(per_size)
+        if level in SAVE_BOUND_GOAL:
+            value = part["save_gb_per_s"][level][size]
+            out[f"save vs min(p2p, memcpy)[{level}, {size} MiB{tag}]"] = _fig(
+                value, "GB/s", "min(p2p, memcpy) (same rounds, median)",
+                value / vs["median"], SAVE_BOUND_GOAL[level])
     for level, per_size in part["restore_gb_per_s"].items():
         size, value = _largest(per_size)
         to, goal = RESTORE_BOUND.get(level, (None, None))
@@ -123,6 +133,12 @@ def protocol(part: dict[str, Any]) -> Figures:
         for n in ns:
             out[f"protocol[{levels_name}, n={n}]"] = _fig(
                 per_n[n] * 1e3, "ms per save", f"n={ns[0]}", per_n[ns[0]] * 1e3)
+    for levels_name, per_n in part.get("collectives_per_save", {}).items():
+        ns = sorted(per_n, key=int)
+        for key, unit in (("rounds", "collectives per save"), ("bytes", "bytes per save")):
+            first, last = per_n[ns[0]][key], per_n[ns[-1]][key]
+            out[f"protocol {key}[{levels_name}, n={ns[-1]}]"] = _fig(
+                last, unit, f"n={ns[0]}", first or None)
     return out
 
 

@@ -19,7 +19,8 @@ from a barrier to a barrier:
 * save: ``save(step, state)`` at steps 1, 2, ... (2 untimed warm-up saves create the files;
   the state changes between saves, untimed), each timed round preceded by a memcpy of the
   same bytes on the same ranks (``save_vs_memcpy``: median, min, max of the per-round
-  ratios; ``save_round_s``: every round's seconds, whose largest deviation from their
+  ratios) and by a ring exchange of them (each rank sends to the next, receives from the
+  previous: ``save_vs_bound`` = the slower of memcpy and p2p over the save, per round; ``save_round_s``: every round's seconds, whose largest deviation from their
   median is the ``save spread`` figure); ``increment`` = save of the level - save of plain local at the same size (what
   the level itself costs; noise can make it negative);
 * restore: ``restore(state)`` of a fresh Checkpointer, the state scrambled first and checked
@@ -36,6 +37,7 @@ GB/s figures are per rank (state of one rank / seconds). Prints ``save[partner, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import shutil
@@ -96,33 +98,44 @@ def _no_room(level: str, nbytes: int, world: int, settings: dict[str, int]) -> s
 
 
 # ---------------------------------------------------------------------- measuring
-def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int
-          ) -> tuple[list[float], dict[str, Any], list[float], int]:
-    """Steady-state saves (after :data:`WARMUP` untimed ones, which create the files):
-    the seconds of ``repeat`` rounds, the costs of one more save (:func:`_mpi.costs`), per
-    round the ratio memcpy / save (a memcpy of the same bytes on the same ranks timed just
-    before each save), and the last step saved. Between saves the state changes (every
-    tensor negated, untimed); the last save holds it as it was."""
+@dataclasses.dataclass
+class Saved:
+    """Steady-state saves of one level and size (:func:`_save`)."""
+
+    rounds: list[float]               # seconds of each timed save
+    cost: dict[str, Any]              # :func:`_mpi.costs` of one more save
+    vs_memcpy: list[float]            # per round: memcpy seconds / save seconds
+    vs_bound: list[float]             # per round: max(memcpy, p2p) seconds / save seconds
+    last: int                         # the last step saved
+
+
+def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int) -> Saved:
+    """Steady-state saves (after :data:`WARMUP` untimed ones, which create the files),
+    ``repeat`` rounds, each timed right after a memcpy and a ring exchange (``Sendrecv`` to
+    the next rank, from the previous) of the same bytes on the same ranks. Between saves
+    the state changes (every tensor negated, untimed); the last save holds it as it was."""
 
     from ftkit import Checkpointer
     ckpt = Checkpointer(topo, cfg)
     steps = itertools.count(1)
-    memcpy = _memcpy_timer(topo, state)
-    rounds, ratios = [], []
+    memcpy, p2p = _memcpy_timer(topo, state), _p2p_timer(topo, state)
+    out = Saved([], {}, [], [], 0)
     try:
         for _ in range(WARMUP):
             ckpt.save(next(steps), state)
         for _ in range(repeat):
             negate(state)
-            copy = memcpy()
+            copy, wire = memcpy(), p2p()
             seconds = _mpi.timed(topo.comm, lambda: ckpt.save(next(steps), state))
-            rounds.append(seconds)
-            ratios.append(copy / seconds)
+            out.rounds.append(seconds)
+            out.vs_memcpy.append(copy / seconds)
+            out.vs_bound.append(max(copy, wire) / seconds)
         if repeat % 2:
             negate(state)
-        cost = _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
-                          _state_bytes(state))
-        return rounds, cost, ratios, next(steps) - 1
+        out.cost = _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
+                              _state_bytes(state))
+        out.last = next(steps) - 1
+        return out
     finally:
         ckpt.close()
 
@@ -134,6 +147,20 @@ def _memcpy_timer(topo: Any, state: dict[str, Any]) -> Any:
     src = np.ones(_state_bytes(state), dtype=np.uint8)
     dst = np.zeros_like(src)
     return lambda: _mpi.timed(topo.comm, lambda: np.copyto(dst, src))
+
+
+def _p2p_timer(topo: Any, state: dict[str, Any]) -> Any:
+    """A function timing (barrier to barrier) every rank sending the state's bytes to the
+    next rank while receiving as many from the previous one (MPI point-to-point; with one
+    rank per node, what a partner copy moves), between buffers touched once here."""
+    import numpy as np
+    from mpi4py import MPI
+    comm = topo.comm
+    src = np.ones(_state_bytes(state), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    return lambda: _mpi.timed(comm, lambda: comm.Sendrecv([src, MPI.BYTE], nxt, 7,
+                                                            [dst, MPI.BYTE], prv, 7))
 
 
 def negate(state: dict[str, Any]) -> None:
@@ -214,7 +241,8 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
     out: dict[str, dict[str, dict[str, Any]]] = {"save_s": {}, "restore_s": {}, "skipped": {},
                                                  "save_costs": {}, "restore_costs": {},
                                                  "restore_vs_memcpy": {},
-                                                 "save_vs_memcpy": {}, "save_round_s": {}}
+                                                 "save_vs_memcpy": {}, "save_round_s": {},
+                                                 "save_vs_bound": {}}
     for size in args.sizes:
         state, key = make_state(topo.rank, size << 20), str(size)
         for level in args.levels:
@@ -224,15 +252,16 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                 out["skipped"].setdefault(level, {})[key] = why
                 continue
             cfg = _config(level, size, local, pfs, settings)
-            rounds, save_cost, save_ratios, last = _save(topo, cfg, state, args.repeat)
-            saved = (min(rounds), save_cost)
-            out["save_round_s"].setdefault(level, {})[key] = [round(r, 5) for r in rounds]
-            *restored, ratios = _restore(topo, cfg, state, level, args.repeat, last)
+            got = _save(topo, cfg, state, args.repeat)
+            saved = (min(got.rounds), got.cost)
+            out["save_round_s"].setdefault(level, {})[key] = [round(r, 5) for r in got.rounds]
+            out["save_vs_bound"].setdefault(level, {})[key] = _mpi.spread(got.vs_bound)
+            *restored, ratios = _restore(topo, cfg, state, level, args.repeat, got.last)
             for op, (seconds, cost) in (("save", saved), ("restore", restored)):
                 out[f"{op}_s"].setdefault(level, {})[key] = seconds
                 out[f"{op}_costs"].setdefault(level, {})[key] = cost
             out["restore_vs_memcpy"].setdefault(level, {})[key] = _mpi.spread(ratios)
-            out["save_vs_memcpy"].setdefault(level, {})[key] = _mpi.spread(save_ratios)
+            out["save_vs_memcpy"].setdefault(level, {})[key] = _mpi.spread(got.vs_memcpy)
             _drop(topo, cfg)
         del state
     return out
@@ -287,6 +316,9 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
         lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
                      f"({restore[level][size]:.4f} s)")
+        vs = res["save_vs_bound"][level][size]
+        lines.append(f"save/max(memcpy,p2p)[{level}, {size} MiB]: {vs['median']:.3f} "
+                     f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
         for op in ("save", "restore"):
             vs = res[f"{op}_vs_memcpy"][level][size]
             lines.append(f"{op}/memcpy[{level}, {size} MiB]: {vs['median']:.3f} "
@@ -301,7 +333,8 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
         "restore_s": restore, "restore_gb_per_s": restore_gbs, "skipped": res["skipped"],
         "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
         "restore_vs_memcpy": res["restore_vs_memcpy"], "save_vs_memcpy": res["save_vs_memcpy"],
-        "save_round_s": res["save_round_s"], "warmup_saves": WARMUP,
+        "save_round_s": res["save_round_s"], "save_vs_bound": res["save_vs_bound"],
+        "warmup_saves": WARMUP,
         "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
         "levels": {lv: LEVELS[lv] for lv in args.levels}, "machine": _mpi.machine(),
         "command": " ".join(["python bench/levels.py",

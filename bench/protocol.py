@@ -14,7 +14,10 @@ what is measured is the protocol (write-local of a tiny shard, vote, decide, com
   partner copies need >= 2 nodes, and one rank per node makes that valid for every n,
   n = 2 included, so both series have the same baseline.
 
-A save's time is the slowest rank's; the median and p90 over the saves are reported. With
+A save's time is the slowest rank's; the median and p90 over the saves are reported, with
+the collective operations each save ran (``collectives_per_save``: rounds and bytes
+delivered per rank, the most any rank had; ``ftkit.comm.dist.collective_counts``), which
+must stay flat in n while nothing fails: a fixed-size allreduce per vote and agreement. With
 more ranks than cores the ranks are oversubscribed (stated in the output and the JSON): the
 growth then includes CPU sharing, not only coordination. Prints
 ``protocol[local, n=8]: 3.1 ms per save (ratio to n=2 = 1.9)`` lines and writes
@@ -55,9 +58,12 @@ def _time_saves(comm: Any, ckpt: Any, saves: int) -> list[float]:
     return times
 
 
-def _measure(comm: Any, name: str, saves: int) -> list[float] | None:
-    """Per-save seconds of the slowest rank for one configuration (rank 0; None elsewhere)."""
+def _measure(comm: Any, name: str, saves: int) -> dict[str, Any] | None:
+    """Per-save seconds of the slowest rank for one configuration, and the collective
+    operations (``rounds``) and bytes they delivered per save, the most any rank had (rank
+    0; None elsewhere)."""
     from ftkit import Checkpointer, Config, Topology
+    from ftkit.comm.dist import collective_counts
     levels, rpn = CONFIGS[name]
     work = comm.bcast({"local": tempfile.mkdtemp(prefix="ftkit-bench-", dir="/dev/shm"),
                        "pfs": tempfile.mkdtemp(prefix="ftkit-bench-")}
@@ -66,15 +72,20 @@ def _measure(comm: Any, name: str, saves: int) -> list[float] | None:
     cfg = Config.load(levels=levels, async_=False, local_dir=work["local"],
                       pfs_dir=work["pfs"], job=f"protocol-{name.replace('+', '-')}")
     ckpt = Checkpointer(topo, cfg)
+    before = collective_counts()
     mine = _time_saves(comm, ckpt, saves)
+    after = collective_counts()
     ckpt.close()
-    every = comm.gather(mine, root=0)
+    # the warm-up saves ran inside the counted span too: per save over all of them
+    counts = {k: (after[k] - before[k]) / (saves + WARMUP) for k in after}
+    every = comm.gather((mine, counts), root=0)
     comm.Barrier()
     if comm.rank != 0:
         return None
     for path in work.values():
         shutil.rmtree(path, ignore_errors=True)
-    return [max(per_rank) for per_rank in zip(*every)]
+    return {"save_s": [max(per_rank) for per_rank in zip(*(t for t, _ in every))],
+            **{f"{k}_per_save": max(c[k] for _, c in every) for k in counts}}
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -99,18 +110,26 @@ def _run_all(args: argparse.Namespace, ranks: list[int]) -> dict[int, dict[str, 
     return results
 
 
-def _summary(results: dict[int, dict[str, list[float]]], q: float) -> dict[str, dict[int, float]]:
-    return {name: {n: float(np.percentile(per[name], q)) for n, per in results.items()}
-            for name in CONFIGS}
+def _summary(results: dict[int, dict[str, Any]], q: float) -> dict[str, dict[int, float]]:
+    return {name: {n: float(np.percentile(per[name]["save_s"], q))
+                   for n, per in results.items()} for name in CONFIGS}
 
 
-def _report(ranks: list[int], median: dict[str, dict[int, float]], cores: int) -> None:
+def _collectives(results: dict[int, dict[str, Any]]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per configuration and world size: collective rounds and bytes per save."""
+    return {name: {n: {k: per[name][f"{k}_per_save"] for k in ("rounds", "bytes")}
+                   for n, per in results.items()} for name in CONFIGS}
+
+
+def _report(ranks: list[int], median: dict[str, dict[int, float]],
+            coll: dict[str, dict[int, dict[str, float]]], cores: int) -> None:
     base = ranks[0]
     for name in CONFIGS:
         for n in ranks:
-            s = median[name][n]
+            s, c = median[name][n], coll[name][n]
             print(f"protocol[{name}, n={n}]: {s * 1e3:.2f} ms per save "
-                  f"(ratio to n={base} = {s / median[name][base]:.2f})")
+                  f"(ratio to n={base} = {s / median[name][base]:.2f}); "
+                  f"{c['rounds']:.1f} collectives, {c['bytes']:.0f} bytes per save and rank")
     over = [n for n in ranks if n > cores]
     if over:
         print(f"oversubscribed: n={','.join(map(str, over))} ran on {cores} cores "
@@ -134,13 +153,16 @@ def main() -> None:
     t0 = time.monotonic()
     results = _run_all(args, ranks)
     median, p90 = _summary(results, 50), _summary(results, 90)
-    _report(ranks, median, cores)
+    coll = _collectives(results)
+    _report(ranks, median, coll, cores)
     report = {"ranks": ranks, "save_s": median, "save_p90_s": p90, "cores": cores,
+              "collectives_per_save": coll,
               "oversubscribed": {n: n > cores for n in ranks},
               "configs": {name: {"levels": lv, "ranks_per_node": rpn}
                           for name, (lv, rpn) in CONFIGS.items()},
               "saves": args.saves, "warmup": WARMUP, "async": False,
-              "per_save_s": results, "wall_s": round(time.monotonic() - t0, 1),
+              "per_save_s": {n: {name: r["save_s"] for name, r in per.items()}
+                             for n, per in results.items()}, "wall_s": round(time.monotonic() - t0, 1),
               "machine": _mpi.machine(),
               "command": " ".join(["python", *sys.argv])}
     _mpi.write_report(args.out, "protocol", report)

@@ -34,12 +34,12 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
     # on a larger machine run bench/levels.py --sizes-mib 1,16,64,256,1024 directly
     "levels": (["--sizes-mib", "1,16,64,256"], ["--quick"],
                ["--quick", "--sizes-mib", "1", "--repeat", "1"]),
-    # the restore goal's own setting: 2 ranks (one per node) x 256 MiB, local level only
-    "levels_2ranks": (["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
+    # the save / restore goals' own setting: 2 ranks (one per node) x 256 MiB
+    "levels_2ranks": (["--ranks", "2", "--ranks-per-node", "1", "--levels", "local,partner,xor",
                        "--sizes-mib", "256", "--repeat", "5", "--name", "levels_2ranks"],
-                      ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
+                      ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local,partner",
                        "--sizes-mib", "16", "--name", "levels_2ranks"],
-                      ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local",
+                      ["--ranks", "2", "--ranks-per-node", "1", "--levels", "local,partner,xor",
                        "--sizes-mib", "1", "--repeat", "1", "--name", "levels_2ranks"]),
     # what a rank holds: the private-memory goal's setting, 2 ranks x 256 MiB, local:1
     "memory": ([], ["--size-mib", "64"], ["--size-mib", "1", "--saves", "1"]),

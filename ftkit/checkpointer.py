@@ -337,10 +337,10 @@ class Checkpointer:
             self._abort(f"{what} did not finish within {self._patience:g} s")
 
     def _capture(self, step: int, levels: tuple[str, ...], state: State) -> Snapshot:
-        """Flatten ``state`` and stage its tensors. Sync: CPU tensors straight into a
-        reserved slot of the node-local level when it is due (the shard's one pass; the
-        slot is freed first by releasing this rank's shards that retention drops); async,
-        and CUDA tensors: into staging buffers. A failure becomes ``snap.failure`` (this
+        """Flatten ``state`` and stage its tensors: CPU tensors straight into a reserved
+        slot of the node-local level when it is due (the slot is freed first by releasing
+        this rank's shards that retention drops; sync: hashed as they land, one pass),
+        CUDA tensors into pinned staging buffers. A failure becomes ``snap.failure`` (this
         rank votes no). Local."""
         snap = Snapshot(step, levels)
         try:
@@ -353,10 +353,11 @@ class Checkpointer:
                          "time": time.time(), "ftkit": __version__}
             self._state_bytes = sum(leaf.nbytes for leaf in leaves)
             into = None
-            if "local" in levels and self._pool is None:
-                # sync: stage straight into the slot (one pass). Async keeps the staging
-                # buffers: the training loop waits only for their copy, and the slot's
-                # reservation and checksums run on the checkpoint thread at write-local
+            if "local" in levels:
+                # stage CPU tensors straight into the slot, freed first (the previous
+                # checkpoint has committed: save() settled it): no staging buffer. Sync:
+                # hashed as they land (one pass); async: the training loop waits for plain
+                # copies only, the checksums run in the background
                 self.local.release(self._keep(step))
                 into = self.local.reserve(step, snap.meta, tree, leaves)
             snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),

@@ -122,8 +122,11 @@ class Stager:
         if another thread changes a leaf while it is copied here.
 
         ``into`` (a reserved slot, :class:`ftkit.storage.slots.Reservation`): CPU leaves
-        are copied straight into their place in it, hashed as they land (``into.sums``),
-        and get no staging buffer; CUDA leaves are staged into pinned buffers as always."""
+        are copied straight into their place in it and get no staging buffer; CUDA leaves
+        are staged into pinned buffers as always. Leaves copied in the background (and every
+        leaf of a stager without a worker) are hashed as they land (``into.sums``); a
+        background stager copies the others on the caller's thread without hashing them
+        (the training loop waits for a plain copy only): the write hashes them in place."""
         del self._buffers[len(leaves):], self._owners[len(leaves):]
         bufs = [self._destination(i, leaf, into) for i, leaf in enumerate(leaves)]
         for leaf in leaves:
@@ -134,7 +137,7 @@ class Stager:
                     and deferrable(leaf)):
                 later.append(i)
             else:
-                _stage(leaf, bufs[i], i, into)
+                _stage(leaf, bufs[i], i, into if self._pool is None else None)
                 _check_unchanged(leaf, step)
                 leaf.source = None
         if not later:
@@ -239,9 +242,9 @@ def _check_unchanged(leaf: TensorLeaf, step: int | None) -> None:
 
 
 def _stage(leaf: TensorLeaf, buf: np.ndarray, index: int, into: Any) -> None:
-    """Copy one CPU leaf into ``buf``: its place in the slot ``into``, hashed as it lands,
-    when there is one (a strided tensor is laid out by torch, then hashed), else its
-    staging buffer."""
+    """Copy one CPU leaf into ``buf`` (its staging buffer, or its place in a reserved slot).
+    With ``into``, the slot ``buf`` lies in, hash it as it lands (a strided tensor is laid
+    out by torch, then hashed); without, a plain copy."""
     if into is None:
         _copy(leaf, buf)
         return

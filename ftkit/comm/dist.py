@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 from mpi4py import MPI
 
 from ftkit.errors import CheckpointError, ProtocolTimeout
@@ -44,6 +45,20 @@ TAG_FLOOR = 1 << 10
 #: Transfers between one pair of ranks for one step before their tags repeat.
 TAG_ORDINALS = 16
 _TAG_KEYS_KEPT = 4096
+#: collective operations this process has completed and the bytes they delivered to it, for
+#: the benchmarks (:func:`collective_counts`)
+_COUNTS = {"rounds": 0, "bytes": 0}
+
+
+def collective_counts() -> dict[str, int]:
+    """A snapshot of the collective operations (``rounds``) this process completed through a
+    :class:`DistComm` and the bytes they delivered to it (local, pure read)."""
+    return dict(_COUNTS)
+
+
+def _counted(nbytes: int, rounds: int = 1) -> None:
+    _COUNTS["rounds"] += rounds
+    _COUNTS["bytes"] += nbytes
 
 
 class DistComm:
@@ -174,6 +189,27 @@ class DistComm:
     def barrier(self, phase: str, step: int | None = None) -> None:
         """Barrier with deadline. All ranks call."""
         self.wait(self.comm.Ibarrier(), phase, step)
+        _counted(0)
+
+    def allreduce_max(self, values: Sequence[int], phase: str, step: int | None = None
+                      ) -> list[int]:
+        """Element-wise maximum of a fixed-size vector of integers over all ranks (one
+        ``Iallreduce``: O(log P) rounds, O(1) bytes). All ranks call with the same length."""
+        send = np.asarray(values, dtype=np.int64)
+        recv = np.empty_like(send)
+        self.wait(self.comm.Iallreduce([send, MPI.INT64_T], [recv, MPI.INT64_T], op=MPI.MAX),
+                  phase, step)
+        _counted(recv.nbytes)
+        return [int(v) for v in recv]
+
+    def bcast_ints(self, values: Sequence[int], phase: str, step: int | None = None,
+                   root: int = 0) -> list[int]:
+        """Broadcast a fixed-size vector of integers from ``root`` (one ``Ibcast``). All
+        ranks call with the same length (only root's values matter)."""
+        buf = np.asarray(values, dtype=np.int64).copy()
+        self.wait(self.comm.Ibcast([buf, MPI.INT64_T], root=root), phase, step)
+        _counted(buf.nbytes)
+        return [int(v) for v in buf]
 
     def allgather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
         """Gather one JSON-serialisable object from every rank to every rank. All ranks call."""
@@ -187,6 +223,7 @@ class DistComm:
         recv = bytearray(sum(counts))
         self.wait(self.comm.Iallgatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE]),
                   phase, step)
+        _counted(len(lens) + len(recv), rounds=2)
         return [json.loads(recv[d:d + c]) for d, c in zip(displs, counts)]
 
     def gather(self, obj: Any, phase: str, step: int | None = None, root: int = 0
@@ -199,12 +236,14 @@ class DistComm:
                   phase, step)
         if lens is None:
             self.wait(self.comm.Igatherv([data, MPI.BYTE], None, root=root), phase, step)
+            _counted(0, rounds=2)
             return None
         counts = [int.from_bytes(lens[8 * i:8 * i + 8], "little") for i in range(self.size)]
         displs = [sum(counts[:i]) for i in range(self.size)]
         recv = bytearray(sum(counts))
         self.wait(self.comm.Igatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE],
                                      root=root), phase, step)
+        _counted(len(lens) + len(recv), rounds=2)
         return [json.loads(recv[d:d + c]) for d, c in zip(displs, counts)]
 
     def bcast(self, obj: Any, phase: str, step: int | None = None, root: int = 0) -> Any:
@@ -214,10 +253,15 @@ class DistComm:
         self.wait(self.comm.Ibcast([size, MPI.BYTE], root=root), phase, step)
         buf = bytearray(data) if self.rank == root else bytearray(int.from_bytes(size, "little"))
         self.wait(self.comm.Ibcast([buf, MPI.BYTE], root=root), phase, step)
+        _counted(len(size) + len(buf), rounds=2)
         return json.loads(buf)
 
     def agree(self, failure: str | None, phase: str, step: int) -> dict[int, str]:
-        """Exchange local failures; every rank returns the same ``{rank: failure}``. All call."""
+        """Exchange local failures; every rank returns the same ``{rank: failure}``. All call.
+        One fixed-size :meth:`allreduce_max` of a failure flag; the failures themselves are
+        gathered (:meth:`allgather`) only when some rank failed."""
+        if not self.allreduce_max([failure is not None], phase, step)[0]:
+            return {}
         got = self.allgather(failure, phase, step)
         return {r: f for r, f in enumerate(got) if f is not None}
 

@@ -89,12 +89,11 @@ class TwoPhase:
             self.faults.fire("vote", step)
         except Exception as exc:  # noqa: BLE001 - a failing voter votes no
             failure = failure or describe(exc)
-        vote = {"step": step, "failure": failure}
-        votes = self.dc.gather(vote, "vote", step, root=COORDINATOR)
+        votes = self._votes(step, failure)
         decision = self._decide(step, votes, snap.levels) if votes is not None else None
         if decision is not None:
             self.faults.fire("announce", step)
-        decision = self.dc.bcast(decision, "decide", step, root=COORDINATOR)
+        decision = self._announce(step, decision)
         if decision.get("step") != step:
             raise ProtocolMismatch(step, {self.dc.rank: (
                 f"the coordinator decided on step {decision.get('step')} while this rank "
@@ -109,6 +108,31 @@ class TwoPhase:
             self.emit("commit" if out.committed else "abort", step=step,
                       seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
         return out
+
+    def _votes(self, step: int, failure: str | None) -> list[dict[str, Any]] | None:
+        """Every rank's vote, at the coordinator (None elsewhere). One fixed-size allreduce
+        says whether any rank votes no or runs another step; only then are the votes
+        themselves gathered. All ranks call."""
+        no, low, high = self.dc.allreduce_max([failure is not None, -step, step], "vote", step)
+        if no or -low != high:
+            return self.dc.gather({"step": step, "failure": failure}, "vote", step,
+                                  root=COORDINATOR)
+        if self.dc.rank != COORDINATOR:
+            return None
+        return [{"step": step, "failure": None}] * self.dc.size
+
+    def _announce(self, step: int, decision: dict[str, Any] | None) -> dict[str, Any]:
+        """Broadcast the coordinator's decision: one fixed-size message (step, commit, stop,
+        whether there are failures), then the failures only when there are some. All ranks
+        call; only the coordinator passes its decision."""
+        head = [0, 0, 0, 0] if decision is None else [
+            decision["step"], decision["commit"], decision["stop"], bool(decision["failures"])]
+        step_, commit, stop, failed = self.dc.bcast_ints(head, "decide", step,
+                                                         root=COORDINATOR)
+        failures = self.dc.bcast(None if decision is None else decision["failures"],
+                                 "decide", step, root=COORDINATOR) if failed else {}
+        return {"step": step_, "commit": bool(commit), "stop": bool(stop),
+                "failures": failures}
 
     def record(self, step: int, levels: Sequence[str]) -> dict[str, Any]:
         """This job's COMMITTED record of ``step``."""

@@ -194,12 +194,15 @@ class Slots:
         return None
 
     def finish(self, res: Reservation, target: Path, buffers: list[np.ndarray]) -> None:
-        """Copy (and hash) every tensor not yet in the slot from ``buffers``, write the
-        header, flush, and publish the slot as ``target``. OSError: ``target`` untouched."""
+        """Copy (and hash) every tensor not yet in the slot from ``buffers`` (hash in place
+        those whose buffer is their place in the slot), write the header, flush, and publish
+        the slot as ``target``. OSError: ``target`` untouched."""
         if not self._still_free(res.slot, res.mapped):
             raise OSError(f"{res.slot}: the reserved slot was linked meanwhile; not written")
         for i, buf in enumerate(buffers):
-            if res.sums[i] is None:
+            if res.sums[i] is None and np.may_share_memory(buf, res.view(i)):
+                res.hash_in_place(i)          # copied in already (async capture), unhashed
+            elif res.sums[i] is None:
                 res.copy_in(i, buf)
         sums = [str(x) for x in res.sums]
         final, again = layout(res.meta, res.tree, res.leaves, sums)

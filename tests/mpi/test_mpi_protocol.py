@@ -249,3 +249,28 @@ def test_unusable_local_dir_on_one_node_is_config_error_everywhere(ftkit_env):
     assert kind == "ConfigError"
     assert "rank 2" in message and "rank 3" in message and "rank 0" not in message
     assert "node-1" in message
+
+
+def test_a_save_that_fails_nowhere_costs_three_fixed_size_collectives(ftkit_env):
+    """Vote, decision and commit agreement of a save where nothing fails: one fixed-size
+    allreduce, one fixed-size broadcast and one fixed-size allreduce, 64 bytes delivered to
+    each rank whatever the world size (no gather of votes, no allgather of failures). A
+    failed save gathers the details, and every rank still sees the same failures."""
+    from ftkit.comm.dist import collective_counts
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(async_=False))
+        ckpt.save(1, small_state(RANK, 1))
+        before = collective_counts()
+        ckpt.save(2, small_state(RANK, 2))
+        after = collective_counts()
+        ckpt.close()
+    got = allgather({k: after[k] - before[k] for k in after})
+    assert got == [{"rounds": 3, "bytes": 64}] * WORLD.size, got
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(async_=False,
+                                              faults="raise:rank=2:step=4:phase=vote"))
+        ckpt.save(3, small_state(RANK, 3))
+        err = catch(ckpt.save, 4, small_state(RANK, 4))
+        ckpt.close()
+    failures = allgather(sorted(err.failures) if err is not None else None)
+    assert failures == [[2]] * WORLD.size, failures

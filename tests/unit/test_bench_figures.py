@@ -118,11 +118,16 @@ def test_save_spread_and_memory_figures() -> None:
     memory part's private / footprint / RSS figures as fractions of the state (the goal on
     a synchronous save's private memory only)."""
     two = {**LEVELS, "ranks": 2, "save_vs_memcpy": {"local": {"64": {"median": 0.5}}},
-           "save_round_s": {"local": {"64": [0.10, 0.09, 0.13, 0.10, 0.11]}}}
+           "save_round_s": {"local": {"64": [0.10, 0.09, 0.13, 0.10, 0.11]}},
+           "save_vs_bound": {"local": {"64": {"median": 0.4}},
+                             "partner": {"64": {"median": 0.5}}}}
     mem = {"state_mib": 256, "per_rank_max": {
         "sync": {"peak_private_mib": 3.0, "node_local_mib": 512.0, "peak_rss_mib": 515.0},
         "async": {"peak_private_mib": 256.0, "node_local_mib": 512.0, "peak_rss_mib": 770.0}}}
     figs = _figures.derive({"levels_2ranks": two, "memory": mem})
+    bound = figs["save vs min(p2p, memcpy)[partner, 64 MiB, 2 ranks]"]
+    assert bound["ratio"] == pytest.approx(0.5) and bound["met"] is True    # goal 0.45
+    assert "save vs min(p2p, memcpy)[local, 64 MiB, 2 ranks]" not in figs   # no goal there
     spread = figs["save spread[local, 64 MiB, 2 ranks]"]
     assert spread["value"] == pytest.approx(0.3) and spread["met"] is False
     private = figs["memory private[local:1 sync, 256 MiB]"]

@@ -125,7 +125,10 @@ def test_redundancy_part(smoke: dict[str, Any]) -> None:
 def test_levels_2ranks_part(smoke: dict[str, Any]) -> None:
     rep = smoke["parts"]["levels_2ranks"]
     assert rep["ranks"] == 2 and rep["settings"]["ranks_per_node"] == 1
-    assert list(rep["levels"]) == ["local"]
+    assert list(rep["levels"]) == ["local", "partner", "xor"]
+    for level, goal in (("partner", 0.45), ("xor", 0.4)):
+        fig = smoke["figures"][f"save vs min(p2p, memcpy)[{level}, 1 MiB, 2 ranks]"]
+        assert fig["goal"] == goal and math.isfinite(fig["ratio"])
     fig = smoke["figures"]["restore[local, 1 MiB, 2 ranks]"]
     assert fig["goal"] == 0.4 and math.isfinite(fig["ratio"])
     fig = smoke["figures"]["save vs memcpy[local, 1 MiB, 2 ranks]"]

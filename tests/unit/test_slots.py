@@ -180,14 +180,17 @@ def test_a_local_write_is_one_pass(root: Path) -> None:
 
 # ------------------------------------------------------------ staging into a slot
 def _reserve_and_stage(level: LocalLevel, step: int, state: dict[str, Any],
-                       background: bool = False) -> tuple[Any, Any, list[Any], Any]:
+                       background: bool = False, defer: bool | None = None
+                       ) -> tuple[Any, Any, list[Any], Any]:
     tree, leaves = flatten(state)
     meta = {"job": "unit", "step": step, "rank": level.rank, "world": WORLD}
     res = level.reserve(step, meta, tree, leaves)
     assert res is not None
     stager = Stager(background=background)
-    bufs, staging = stager.start(leaves, lambda leaf: background, step=step, into=res)
+    later = background if defer is None else defer
+    bufs, staging = stager.start(leaves, lambda leaf: later, step=step, into=res)
     assert staging.wait() is None
+    assert stager.allocated_bytes == 0                 # no staging buffer for CPU tensors
     stager.close()
     return meta, tree, leaves, bufs
 
@@ -220,6 +223,27 @@ def test_deferred_tensors_land_in_the_slot_from_the_worker(root: Path) -> None:
     level.check_shard(2, WORLD)
     with level.open_shard(2) as shard:
         assert np.array_equal(np.frombuffer(shard.raw(0), np.float64), state["w"].numpy())
+
+
+def test_async_capture_copies_into_the_slot_and_the_write_hashes_in_place(root: Path
+                                                                         ) -> None:
+    """A background stager's own-thread copies (leaves it may not defer) go into the slot
+    unhashed: the training loop waits for a plain copy; the write then hashes them where
+    they are (copy 1 + hash 1, no write pass, no staging buffer) and the shard verifies."""
+    level = _level(root)
+    state = {"w": torch.arange(1 << 15, dtype=torch.float32), "step": 3}
+    before = passes.snapshot()
+    meta, tree, leaves, bufs = _reserve_and_stage(level, 3, state, background=True,
+                                                  defer=False)
+    staged = passes.since(before)
+    nbytes = sum(lf.nbytes for lf in leaves)
+    assert staged["copy"] == nbytes and not staged["hash"] and not staged["write"]
+    level.write_tentative(3, meta, tree, leaves, bufs)
+    moved = passes.since(before)
+    assert moved["hash"] == nbytes and not moved["write"], moved
+    level.check_shard(3, WORLD)
+    with level.open_shard(3) as shard:
+        assert np.array_equal(np.frombuffer(shard.raw(0), np.float32), state["w"].numpy())
 
 
 def test_a_reservation_of_another_step_is_not_used(root: Path) -> None:
