@@ -303,6 +303,18 @@ def describe(exc: BaseException) -> str:
 
 
 _hooks_installed = False
+#: how a communication library (gloo, NCCL, sockets) says that a peer process went away
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "remote process exited")
+#: seconds a rank that failed only because a peer vanished waits before it aborts the job:
+#: the launcher reports the first death it sees, and it should be the peer's
+LOST_PEER_GRACE = 2.0
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` only says that another process of the job went away (pure)."""
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, OSError)) and any(s in text for s in _LOST_PEER)
 
 
 def _debugging() -> bool:
@@ -342,6 +354,9 @@ def install_abort_hooks() -> None:
             traceback.print_exception(exc_type, exc, tb)
         sys.stderr.flush()
         record_death(MPI.COMM_WORLD.Get_rank(), exc)     # for ftkit run's attempt line
+        if lost_peer(exc):
+            # a consequence, not the cause: let the launcher see the peer's death first
+            time.sleep(LOST_PEER_GRACE)
         MPI.COMM_WORLD.Abort(1)
 
     def excepthook(exc_type: Any, exc: Any, tb: Any) -> None:

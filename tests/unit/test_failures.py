@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.comm.dist import lost_peer
 from ftkit.errors import ConfigError
 from ftkit.launch.failures import LauncherScan, StderrTee, explain, scan, summary
 from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records, record_death
@@ -209,6 +210,31 @@ def test_an_abort_hook_records_the_exception_for_ftkit_run(tmp_path: Path, raise
         assert "Traceback" not in res.stderr, res.stderr
     else:
         assert "Traceback" in res.stderr and "KeyError: 'weights.17'" in res.stderr
+
+
+def test_a_rank_that_lost_a_peer_lets_the_launcher_name_the_dead_one(tmp_path: Path
+                                                                     ) -> None:
+    """Two real ranks under mpiexec: rank 1 fails at once with what gloo says when a peer
+    vanished, rank 0 is killed by SIGKILL a moment later. Rank 1 waits
+    ``LOST_PEER_GRACE`` before it aborts, so the launcher reports rank 0's death first: the
+    attempt's exit status is 137 and the explanation names rank 0, killed, before rank 1.
+    Before: rank 1's abort came first and the attempt line blamed rank 1 (exit 1)."""
+    code = ("import os, signal, time\n"
+            "from ftkit.comm.dist import install_abort_hooks\n"
+            "from mpi4py import MPI\n"
+            "install_abort_hooks()\n"
+            "MPI.COMM_WORLD.Barrier()\n"
+            "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+            "    raise RuntimeError('[gloo/transport/tcp/pair.cc:537] Read error "
+            "[127.0.0.1]:6016: Connection reset by peer')\n"
+            "time.sleep(0.3)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    res = _mpirun(code, tmp_path, timeout=120)
+    assert res.returncode == 137, (res.returncode, res.stderr[-2000:])
+    failed = explain(_feed(res.stderr), read_records(tmp_path))
+    assert next(iter(failed)) == 0 and failed[0].startswith("killed by SIGKILL"), failed
+    assert lost_peer(RuntimeError("Read error: Connection reset by peer"))
+    assert not lost_peer(RuntimeError("CUDA out of memory")) and not lost_peer(KeyError("x"))
 
 
 def test_a_process_forked_from_a_rank_keeps_pythons_own_hooks(tmp_path: Path) -> None:
