@@ -75,26 +75,39 @@ def layout(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
     """Header bytes and data offsets of a shard of ``leaves`` with checksums ``sums``
     (pure). Every checksum string has the same length, so the header's length and the
     offsets do not depend on their values (:mod:`ftkit.storage.slots` lays a shard out
-    with placeholders, then fills them in)."""
-    entries: list[dict[str, Any]] = [
-        {"path": lf.path, "kind": lf.kind, "dtype": lf.dtype, "shape": list(lf.shape),
-         "nbytes": lf.nbytes, "checksum": digest} for lf, digest in zip(leaves, sums)]
-    # offsets depend on the header length, which depends on the offsets' digits: iterate
+    with placeholders, then fills them in).
+
+    The header is ``{"format":1,<meta>,"tree":<tree>,"tensors":[<entry>,...]}`` (compact
+    JSON), each entry ``{"path","kind","dtype","shape","nbytes","checksum","offset"}``. It is
+    serialised once but for the offsets, whose digits its length depends on: the offsets are
+    iterated on lengths alone (a capture lays out a shard on the training thread)."""
+    head = json.dumps({"format": VERSION, **meta, "tree": tree, "tensors": []},
+                      separators=(",", ":"))
+    opening, closing = head[:-2], head[-2:]              # ...,"tensors":[   and   ]}
+    entries = [_entry_json(lf, digest) for lf, digest in zip(leaves, sums)]
+    fixed = len(opening) + len(closing) + sum(len(e) + 2 for e in entries) - bool(entries)
     offsets = [0] * len(entries)
-    for _ in range(4):
-        for e, off in zip(entries, offsets):
-            e["offset"] = off
-        head = json.dumps({"format": VERSION, **meta, "tree": tree, "tensors": entries},
-                          separators=(",", ":")).encode()
-        pos = _align(_PREAMBLE.size + len(head))
+    for _ in range(8):
+        pos = _align(_PREAMBLE.size + fixed + sum(len(str(off)) for off in offsets))
         new = []
-        for e in entries:
+        for lf in leaves:
             new.append(pos)
-            pos = _align(pos + e["nbytes"])
+            pos = _align(pos + lf.nbytes)
         if new == offsets:
-            return head, offsets
+            text = opening + ",".join(f"{e}{off}}}" for e, off in zip(entries, offsets))
+            return (text + closing).encode(), offsets
         offsets = new
     raise AssertionError("shard header offsets did not converge")
+
+
+def _entry_json(lf: TensorLeaf, digest: str) -> str:
+    """One tensor's header entry as compact JSON, up to its offset's digits (exactly what
+    ``json.dumps`` writes for the same dict)."""
+    quote = json.encoder.encode_basestring_ascii         # type: ignore[attr-defined]
+    shape = ",".join(str(int(d)) for d in lf.shape)
+    return (f'{{"path":{quote(lf.path)},"kind":{quote(lf.kind)},"dtype":{quote(lf.dtype)},'
+            f'"shape":[{shape}],"nbytes":{int(lf.nbytes)},"checksum":{quote(digest)},'
+            f'"offset":')
 
 
 def preamble(head: bytes) -> bytes:
