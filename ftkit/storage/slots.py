@@ -68,7 +68,8 @@ _PLACEHOLDER = XXH3 + "0" * 16
 #: ``rank-<r>.<k>.slot`` (rank r's own shards), ``rank-<r>.<what>-<i>.<k>.slot`` (files of
 #: a redundancy level rank r holds: ``partner-<q>`` the copies of rank q's shard,
 #: ``xor-<set>`` / ``rs-<set>`` its parity of an erasure set)
-_SLOT_NAME = re.compile(r"rank-(\d+)(?:\.[a-z]+-\d+)?\.\d+\.slot")
+_OF = r"[a-z]+-\d+"
+_SLOT_NAME = re.compile(rf"rank-(\d+)(?:\.{_OF})?\.\d+\.slot")
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Slots:
         """Rank ``rank``'s slots for its own shards, or for one kind of redundancy file it
         holds: ``of`` is ``partner-<q>`` (copies of rank q's shard) or ``<xor|rs>-<set>``
         (its parity of that erasure set)."""
-        if of is not None and not re.fullmatch(r"[a-z]+-\d+", of):
+        if of is not None and not re.fullmatch(_OF, of):
             raise ValueError(f"slots of {of!r}: expected <level>-<number>")
         self.dir = node_root / SLOTS
         self.rank = rank

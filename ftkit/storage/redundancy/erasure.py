@@ -204,10 +204,11 @@ class ErasureLevel(Level):
         must reach the next collective)."""
         path = self.local.shard_path(step)
         try:
-            view = self.local.slots.view_of(self._own_file(path, step, "shard"))
+            own = self._own_file(path, step, "shard")
+            view = self.local.slots.view_of(own)
             if view is not None:
                 return view
-            return stack.enter_context(mapped(self._own_file(path, step, "shard"),
+            return stack.enter_context(mapped(own,
                                               rank=self.local.rank, step=step,
                                               level=self.name))
         except CorruptCheckpointError as exc:
