@@ -312,7 +312,7 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             continue
         lines.append(f"save[{level}, {size} MiB]: {save_gbs[level][size]:.2f} GB/s "
                      f"({save[level][size]:.4f} s)")
-        if level in inc:
+        if size in inc.get(level, {}):         # needs plain local at the same size
             lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
         lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
                      f"({restore[level][size]:.4f} s)")

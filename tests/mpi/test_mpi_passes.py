@@ -6,8 +6,8 @@ What each operation touches today, and so what the counters must say:
 * local save: one pass, each tensor copied straight into the rank's reserved slot file with
   its checksum computed as the bytes land (``storage/slots.py``, ``capture/staging.py``);
 * partner save: that, plus the send (from the mapped slot, not re-read first), the
-  partner's receive straight into a slot of its own, and its streaming check of the bytes
-  as they land (no second write);
+  partner's receive straight into a slot of its own, each chunk checked right after it
+  landed, in cache (the check rides on the receive: no second write, no second pass);
 * XOR save (a set of 2 on 2 nodes: the parity is as large as a shard): the local write,
   one pass over the own shard that verifies it and computes its whole-file checksum and
   segment folds (``erasure.scan``), the send, the receive straight into the parity slot,
@@ -72,7 +72,7 @@ def test_partner_save_and_restore_passes(ftkit_env) -> None:
     got = allgather(_measure("local:1,partner:1"))
     for rank_got in got:
         assert rank_got["save"] == pytest.approx(
-            {"hash": 1, "write": 1, "send": 1, "recv": 1, "total": 4},
+            {"write": 1, "send": 1, "recv": 1, "total": 3},
             abs=0.01), got
         assert rank_got["restore"] == pytest.approx({"copy": 1, "total": 1}, abs=0.01), got
 

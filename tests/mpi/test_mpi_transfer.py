@@ -18,6 +18,7 @@ from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import ProtocolTimeout
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.redundancy import transfer
 from ftkit.storage.redundancy.erasure import ErasureLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard, write_shard
@@ -152,11 +153,15 @@ def test_partner_copy_corrupted_in_transfer_is_refused(dc, where):
     assert max(allgather(seconds)) < LONG / 2
 
 
-def test_copies_land_straight_in_slots_and_a_refused_one_leaves_the_slot_free(dc, where):
+def test_copies_land_straight_in_slots_and_a_refused_one_leaves_the_slot_free(
+        dc, where, monkeypatch):
     """With slots, each copy is received into a free slot of the receiver and published
     as a hard link (the same bytes, no second file); the sender's shard is sent from the
     view it already has. A copy corrupted in transfer (rank 2, step 3) is not published:
-    its slot stays free and the next step's copy reuses it."""
+    its slot stays free and the next step's copy reuses it. Small chunks (every rank alike):
+    a copy is many more chunks than the receive window holds."""
+    monkeypatch.setattr(transfer, "CHUNK", 16 << 10)
+    assert 300_000 > 2 * transfer.WINDOW * transfer.CHUNK
     slots = Slots(where, RANK, of=f"partner-{(RANK - 1) % SIZE}")
     nxt, prv = (RANK + 1) % SIZE, (RANK - 1) % SIZE
     faults = Faults("corrupt:rank=2:step=3:level=partner", rank=RANK, node=RANK, attempt=0)

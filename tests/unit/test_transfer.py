@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from ftkit import passes
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm import dist
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError, ProtocolTimeout
 from ftkit.storage.redundancy import erasure, gf256
 from ftkit.storage.redundancy.transfer import StreamCheck, Verify, exchange, recv_buffer
-from ftkit.storage.shard import Shard, write_shard
+from ftkit.storage.shard import READ_CHUNK, Shard, checksum, write_shard
 from ftkit.testing.faults import Faults
 
 STEP, OWNER = 5, 0
@@ -264,3 +265,26 @@ def test_fold_is_linear_over_gf256_and_sees_any_short_corruption() -> None:
         bad = a.copy()
         bad[pos] ^= 0x10
         assert not np.array_equal(erasure.fold(bad), base), pos
+
+
+def _fold_by_definition(seg: np.ndarray) -> np.ndarray:
+    padded = np.concatenate([seg, np.zeros(-len(seg) % erasure.FOLD, np.uint8)])
+    out = np.zeros(erasure.FOLD, np.uint8)
+    for a in range(0, len(padded), erasure.FOLD):
+        out ^= padded[a:a + erasure.FOLD]
+    return out
+
+
+@pytest.mark.parametrize("nbytes", [8, 512 * 3, 8 * 1024 * 5, 8 * 1024 * 3 + 64 * 5,
+                                    (1 << 20) + 8 * 1000])
+def test_fold_of_wide_rows_equals_its_definition(nbytes: int) -> None:
+    seg = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    assert np.array_equal(erasure.fold(seg), _fold_by_definition(seg))
+
+
+def test_fold_and_checksum_is_one_hash_pass_over_many_chunks() -> None:
+    seg = np.random.default_rng(9).integers(0, 256, 3 * READ_CHUNK + 4096, dtype=np.uint8)
+    before = passes.snapshot()
+    got, digest = erasure.fold_and_checksum(seg)
+    assert passes.since(before)["hash"] == len(seg)
+    assert np.array_equal(got, _fold_by_definition(seg)) and digest == checksum(seg)

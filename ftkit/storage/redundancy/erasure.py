@@ -57,12 +57,21 @@ from ftkit.testing.faults import Faults
 log = logging.getLogger(__name__)
 #: bytes of a segment's fold (a multiple of 8; segments are multiples of ALIGN bytes)
 FOLD = 512
+#: words per row of :func:`fold`'s first, wide reduction (a multiple of FOLD // 8)
+_WIDE = 1024
 
 
 def fold(seg: np.ndarray) -> np.ndarray:
     """XOR of the FOLD-byte blocks of ``seg`` (the last one zero-padded): FOLD bytes.
-    Linear over GF(256) in every byte: ``fold(c * a ^ b) == c * fold(a) ^ fold(b)``."""
+    Linear over GF(256) in every byte: ``fold(c * a ^ b) == c * fold(a) ^ fold(b)``.
+    Whole :data:`_WIDE`-word rows are XORed together first (one wide accumulator: numpy
+    reduces long rows ~1.5x faster than FOLD-byte ones), then folded; XOR is associative,
+    so the result is the same."""
     words, lane = seg.view(np.uint64), FOLD // 8
+    wide = len(words) // _WIDE * _WIDE
+    if wide:
+        acc = np.bitwise_xor.reduce(words[:wide].reshape(-1, _WIDE), axis=0)
+        words = np.concatenate([acc, words[wide:]]) if wide < len(words) else acc
     whole = len(words) // lane * lane
     out = np.zeros(lane, dtype=np.uint64)
     if whole:
@@ -70,6 +79,20 @@ def fold(seg: np.ndarray) -> np.ndarray:
     tail = words[whole:]
     out[:len(tail)] ^= tail
     return out.view(np.uint8)
+
+
+def fold_and_checksum(seg: np.ndarray) -> tuple[np.ndarray, str]:
+    """:func:`fold` of ``seg`` and its checksum string, in one pass (each
+    :data:`~ftkit.storage.shard.READ_CHUNK` piece hashed and folded while it is in cache;
+    counted as the ``hash`` pass)."""
+    h, out = xxhash.xxh3_64(), np.zeros(FOLD, dtype=np.uint8)
+    step = READ_CHUNK - READ_CHUNK % FOLD
+    for a in range(0, len(seg), step):
+        piece = seg[a:a + step]
+        h.update(piece.data)
+        np.bitwise_xor(out, fold(piece), out=out)
+    passes.count("hash", len(seg))
+    return out, XXH3 + h.hexdigest()
 
 
 def scan(data: np.ndarray, m: int, s: int, check: StreamCheck) -> tuple[str, list[bytes]]:
@@ -160,13 +183,12 @@ class ErasureLevel(Level):
                       for j in range(self.layout.p)]
             res = self._reserve(meta, leaves)
             parity = self._reduce_parity(segments(data, self.layout.m, s), s, step, res)
-        self._check_parity(step, parity, [[bytes.fromhex(f) for f in i["folds"]]
-                                          for i in info])
+        sums = self._check_parity(step, parity, [[bytes.fromhex(f) for f in i["folds"]]
+                                                 for i in info])
         if res is None:
             write_shard(self.parity_path(step), meta, None, leaves, parity)
             return
-        for i in range(self.layout.p):
-            res.hash_in_place(i)
+        res.sums[:] = sums                  # computed in the pass that checked the parity
         self.slots.finish(res, self.parity_path(step), [])
 
     def _reserve(self, meta: dict[str, Any], leaves: list[TensorLeaf]) -> Reservation | None:
@@ -230,10 +252,12 @@ class ErasureLevel(Level):
                 rank=self.local.rank, step=step, level=self.name)
 
     def _check_parity(self, step: int, parity: list[np.ndarray], folds: list[list[bytes]]
-                      ) -> None:
+                      ) -> list[str | None]:
         """Compare the fold of each parity segment held here with the combination of the
-        folds of the data segments it encodes (``folds[member][segment]``)."""
+        folds of the data segments it encodes (``folds[member][segment]``); the segments'
+        checksums, computed in the same pass (by parity slot)."""
         lay, me = self.layout, self.index
+        got = [fold_and_checksum(seg) for seg in parity]
         for j in range(lay.p):
             t = (me - j) % lay.k                     # stripe whose parity j I hold
             want = np.zeros(FOLD, dtype=np.uint8)
@@ -241,12 +265,13 @@ class ErasureLevel(Level):
                 part = np.frombuffer(folds[mem][lay.seg_index(mem, t)], dtype=np.uint8)
                 np.bitwise_xor(want, gf256.scale_into(np.empty(FOLD, np.uint8),
                                                       lay.coef[j][x], part), out=want)
-            if not np.array_equal(fold(parity[lay.parity_slot(me, t)]), want):
+            if not np.array_equal(got[lay.parity_slot(me, t)][0], want):
                 raise CorruptCheckpointError(
                     str(self.parity_path(step)), f"parity {j} of stripe {t} does not match "
                     f"the data of set members {lay.data_members(t)} (corrupted in transfer "
                     f"from member {(me - 1) % lay.k}); not written",
                     rank=self.local.rank, step=step, level=self.name)
+        return [c for _, c in got]
 
     def _reduce_parity(self, segs: list[np.ndarray], s: int, step: int,
                        res: Reservation | None) -> list[np.ndarray]:

@@ -1,8 +1,11 @@
 """Move whole files between ranks over MPI without staging them in Python memory.
 
-The sender maps its file read-only and posts ``Isend`` of views (no copy); the receiver
-takes chunks into two reused buffers and writes each while the next one arrives; then fsync
-and an atomic rename. Messages are cut into chunks of at most CHUNK bytes.
+The sender posts ``Isend`` of views of its file (its mapped slot, or the file mapped
+read-only: no copy). The receiver takes the chunks straight into a claimed slot of its own,
+:data:`WINDOW` receives in flight, each chunk checked the moment it lands (still in cache:
+the check rides on the receive, it is not a second pass over the bytes); without a slot,
+into two reused buffers, writing each while the next one arrives, then fsync and an atomic
+rename. Messages are cut into chunks of at most CHUNK bytes.
 
 A received shard is never trusted unverified: with :class:`Verify`, :class:`StreamCheck`
 checks the bytes as they stream in (the header from the first chunk(s), then every tensor's
@@ -43,7 +46,11 @@ from ftkit.storage.shard import (
 )
 from ftkit.storage.slots import Slots
 
-CHUNK = 8 << 20
+#: bytes per message: small enough that a chunk just received is still in cache when it is
+#: checked, large enough that per-message costs vanish (256 per 256 MiB)
+CHUNK = 1 << 20
+#: chunk receives in flight at once when receiving straight into a slot
+WINDOW = 8
 
 
 @contextlib.contextmanager
@@ -112,6 +119,9 @@ class StreamCheck:
         self.rank, self.step, self.world, self.level = rank, step, world, level
         self.pos = 0                                     # bytes fed so far
         self.header: dict[str, Any] | None = None
+        #: count the checksum as a ``hash`` pass (False where it rides on a receive: each
+        #: piece is checked right after it landed, while it is in cache)
+        self.counted = True
         self._head = bytearray()
         self._need = _PREAMBLE.size                      # header bytes needed next
         self._spans: list[tuple[int, int, str, str]] = []  # offset, end, checksum, path
@@ -175,7 +185,8 @@ class StreamCheck:
             else:
                 k = min(end - pos, len(piece))
                 self._hash.update(piece[:k].data)
-                passes.count("hash", k)
+                if self.counted:
+                    passes.count("hash", k)
             pos += k
             piece = piece[k:]
         self._close_spans(pos)
@@ -234,9 +245,10 @@ class FileSend:
 class FileRecv:
     """Receive one file from ``source`` into ``path``: the size first, then the bytes, then
     flush and publish. With ``slots`` (a :class:`~ftkit.storage.slots.Slots` of this rank),
-    straight into a free slot of the file's size: every chunk's receive is posted at once
-    into its place in the mapped slot and checked as it lands (no buffer, no second write),
-    and the slot is published as ``path`` (a hard link, as for local shards). Without slots,
+    straight into a free slot of the file's size: the chunks' receives are posted into
+    their places in the mapped slot, :data:`WINDOW` in flight, each chunk checked as it
+    lands while it is in cache (no buffer, no second write, no second pass), and the slot
+    is published as ``path`` (a hard link, as for local shards). Without slots,
     or when none is free: chunks into two
     reused buffers (one receiving while the other is checked and written), then fsync and
     rename. The temp file is a fresh private name (:func:`~ftkit.storage.shard.create_temp`),
@@ -253,6 +265,7 @@ class FileRecv:
         self.slots = slots
         self.slot: Path | None = None               # the claimed slot (direct mode)
         self._landing: list[tuple[MPI.Request, np.ndarray]] = []   # direct: in order
+        self._places: list[np.ndarray] = []         # direct: every chunk's place in the slot
         self.tmp: Path | None = None                # created by start()
         self.size = np.zeros(1, dtype=np.int64)
         self.size_req: MPI.Request | None = None
@@ -283,9 +296,11 @@ class FileRecv:
         claimed = self._claim()
         if claimed is not None:
             self.slot, view = claimed
-            self._landing = [(self.comm.Irecv([c, MPI.BYTE], self.source, self.tag), c)
-                             for c in chunks(view)]
-            self._bufs = [c for _, c in self._landing]
+            self._bufs = chunks(view)
+            self._places = list(self._bufs)
+            if self.check is not None:
+                self.check.counted = False      # each chunk checked as it lands: in cache
+            self._fill()
             return
         self._fd, self.tmp = create_temp(self.path)
         n = min(CHUNK, self.nbytes)
@@ -326,10 +341,18 @@ class FileRecv:
         self._take(buf)
         return self.done
 
+    def _fill(self) -> None:
+        """Post the receives of the next chunks until WINDOW are in flight (direct mode)."""
+        while len(self._landing) < WINDOW and self._places:
+            c = self._places.pop(0)
+            self._landing.append((self.comm.Irecv([c, MPI.BYTE], self.source, self.tag), c))
+
     def _poll_direct(self) -> bool:
-        """Check every chunk that has landed, in file order."""
+        """Check every chunk that has landed, in file order, right away (in cache), then
+        post the next receives."""
         while self._landing and self._landing[0][0].Test():
             self._take(self._landing.pop(0)[1])
+            self._fill()
         self.done = not self._landing
         return self.done
 
