@@ -432,7 +432,7 @@ class Checkpointer:
             self._flushing.discard(step)
         self.last_flushed = step
         self._emit("flush", step=step, seconds=round(seconds, 6),
-                   dir=str(self.pfs.step_dir(step)))
+                   dir=str(self.pfs.step_dir(step)), removed=self.pfs.pruned)
 
     def _flush_failed(self, step: int, reason: str) -> None:
         """Every rank: keep the agreed ``reason`` in ``pfs_failures`` and log it once (rank

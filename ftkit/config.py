@@ -76,6 +76,7 @@ class Config:
     xor_set: int = 4
     rs_set: int = 4
     rs_parity: int = 2
+    pfs_keep: int = 2                # committed PFS steps kept (older ones removed)
     ranks_per_node: int = 0          # 0 = detect real nodes
     async_: bool = True
     timeout: float = 120.0
@@ -106,6 +107,9 @@ class Config:
         if not 1 <= self.rs_parity < self.rs_set:
             raise ConfigError(f"FTKIT_RS_PARITY: must be in [1, FTKIT_RS_SET-1="
                               f"{self.rs_set - 1}], got {self.rs_parity}")
+        if self.pfs_keep < 1:
+            raise ConfigError(f"FTKIT_PFS_KEEP: must be >= 1 (committed PFS steps kept), "
+                              f"got {self.pfs_keep}")
         if self.ranks_per_node < 0:
             raise ConfigError(f"FTKIT_RANKS_PER_NODE: must be >= 1, got {self.ranks_per_node}")
         if not MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT:      # False for nan too
@@ -234,7 +238,7 @@ _KWARG_ALIASES = {"async": "async_"}
 # environment / toml key -> field name
 _KEYS = {
     "JOB": "job", "LOCAL_DIR": "local_dir", "PFS_DIR": "pfs_dir", "LEVELS": "levels",
-    "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity",
+    "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity", "PFS_KEEP": "pfs_keep",
     "RANKS_PER_NODE": "ranks_per_node", "ASYNC": "async_", "TIMEOUT": "timeout",
     "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level", "START": "start",
 }

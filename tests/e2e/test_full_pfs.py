@@ -79,7 +79,9 @@ def test_pfs_fills_up_mid_run_then_is_freed(tmp_path: Path,
         res = run_example(tmp_path, REPO / "tests" / "e2e" / "toy_hooks.py", n=4,
                           args=("--steps", "16", "--seed", "1"), max_restarts=2,
                           timeout=280, env={"FTKIT_LEVELS": LEVELS, "FREE_AT": "9",
-                                            "FREE_BALLAST": str(ballast)})
+                                            "FREE_BALLAST": str(ballast),
+                                            # every committed step stays to be counted
+                                            "FTKIT_PFS_KEEP": "8"})
         _one_bit_exact_attempt(res, reference_digest(4, 16))
         failed = _failed_flushes(res)
         committed = _pfs_committed(pfs)
@@ -107,7 +109,7 @@ def test_vanished_pfs_is_refused_then_resumed(tmp_path: Path,
         first = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=levels,
                         FTKIT_FAULTS="node:rank=2:step=8:phase=flush")
         assert first.rc != 0
-        assert _pfs_committed(pfs) == [2, 4, 6], first.tail()
+        assert _pfs_committed(pfs) == [4, 6], first.tail()     # FTKIT_PFS_KEEP=2
         before = tree_digests(first.local)
         with hidden(pfs, tmp_path / "empty"):
             gone = run_toy(tmp_path, steps=8, max_restarts=2, FTKIT_LEVELS=levels)

@@ -15,7 +15,9 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    of their file (:mod:`ftkit.storage.pfs.h5files`);
 4. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
    id, the node of every rank and the digest of every file, under its own checksum); all
-   ranks agree that it did.
+   ranks agree that it did;
+5. retention: rank 0 removes the committed steps older than the ``FTKIT_PFS_KEEP`` newest
+   (:func:`prune_steps`) — only now, after a newer step is committed.
 
 A crash anywhere before 4 leaves a step without ``COMMITTED``, which restore ignores and
 ``inspect`` shows as incomplete — never a mix of two timelines under one record. An agreed
@@ -56,6 +58,7 @@ class PfsLevel:
         self.config, self.topo, self.local, self.faults = config, topo, local, faults
         self.run_id = run_id              # written as ``run`` in the index and COMMITTED
         self.dc = dc                      # world (a DistComm of the PFS level's own)
+        self.pruned: list[int] = []       # rank 0: steps the last flush's retention removed
         self.node_dc = DistComm(topo.node_comm, dc.timeout)   # this node's ranks
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
 
@@ -90,7 +93,10 @@ class PfsLevel:
         digest = self._agreed(lambda: self._write_node_file(step), step)
         digests = self.dc.gather(digest, "flush", step)
         self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
-        return time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        if self.topo.rank == 0:
+            self.pruned = prune_steps(self.config.job_pfs_dir, step, self.config.pfs_keep)
+        return seconds
 
     def _agreed(self, fn: Callable[[], T], step: int) -> T | None:
         """Run ``fn`` on this rank; all ranks agree on the outcome and raise the same
@@ -190,6 +196,38 @@ class PfsLevel:
 def _version() -> str:
     from ftkit import __version__
     return __version__
+
+
+def prune_steps(job_dir: Path, newest: int, keep: int) -> list[int]:
+    """Rank 0, right after PFS step ``newest`` was committed: remove the committed steps
+    older than the ``keep`` newest ones up to ``newest`` (``FTKIT_PFS_KEEP``). Each step's
+    COMMITTED record goes first, durably, then its files, so a crash midway leaves an
+    incomplete step (removed by the next flush), never a committed one with files missing.
+    Steps numbered above ``newest`` are left alone: they belong to a timeline a restore
+    abandoned and are retracted when their number is flushed again. Failures are logged,
+    never raised (the flush that committed ``newest`` stands): a step whose record cannot
+    be removed stays committed; one whose files cannot all go is incomplete, and the next
+    flush removes it. Local; returns the steps no longer committed, oldest first."""
+    committed = sorted((s for s, d in step_dirs(job_dir)
+                        if s <= newest and (d / hdf5.COMMITTED).is_file()), reverse=True)
+    gone = []
+    for step in sorted(committed[keep:]):
+        d = job_dir / step_name(step)
+        try:
+            hdf5.retract_commit(d)
+        except OSError as exc:
+            log.warning("could not remove PFS step %d (FTKIT_PFS_KEEP=%d): %s; it stays "
+                        "committed", step, keep, exc)
+            continue
+        try:
+            shutil.rmtree(d)
+        except OSError as exc:
+            log.warning("removing PFS step %d (FTKIT_PFS_KEEP=%d): %s; it is no longer "
+                        "committed, the next flush removes what is left", step, keep, exc)
+        gone.append(step)
+    if gone:
+        fsync_dir(job_dir)
+    return gone
 
 
 def remove_steps(job_dir: Path) -> list[int]:

@@ -1,0 +1,41 @@
+"""PFS retention on 4 ranks / 2 virtual nodes: ``local:1,pfs:1`` with ``FTKIT_PFS_KEEP``
+keeps the newest N committed PFS steps; each flush event names the steps it retired, and a
+restore with every node-local directory gone still finds the newest step on the PFS."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from ftkit import Checkpointer, Config
+
+from .mpi_helpers import RANK, WORLD, allgather, canon, diff, events, small_state, topology
+from .test_mpi_pfs_degrade import committed_pfs_steps
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_only_the_newest_pfs_steps_stay(ftkit_env, async_) -> None:
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(async_=async_, levels="local:1,pfs:1",
+                                              pfs_keep=2))
+        for step in range(1, 6):
+            ckpt.save(step, small_state(RANK, step))
+        ckpt.close()
+        pfs_job = ftkit_env.pfs_dir / ftkit_env.job
+        assert committed_pfs_steps(pfs_job) == [4, 5]
+        listed = WORLD.bcast(sorted(p.name for p in pfs_job.glob("step-*")) if RANK == 0
+                             else None, root=0)
+        assert listed == ["step-4", "step-5"], listed        # nothing left of 1-3
+        flushes = [(e["step"], e["removed"]) for e in events(ftkit_env.events_path)
+                   if e["event"] == "flush"]
+        assert flushes == [(1, []), (2, []), (3, [1]), (4, [2]), (5, [3])], flushes
+        WORLD.Barrier()
+        if topo.is_node_leader:
+            shutil.rmtree(ftkit_env.node_dir(topo.node))     # each node loses its own
+        WORLD.Barrier()
+        fresh = Checkpointer(topo, Config.load(async_=async_, levels="local:1,pfs:1"))
+        state = small_state(RANK, 0)
+        got = fresh.restore(state)
+        fresh.close()
+    assert allgather(got) == [5] * 4
+    assert diff(canon(small_state(RANK, 5)), canon(state)) == []
