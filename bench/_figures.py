@@ -77,6 +77,11 @@ def levels(part: dict[str, Any], bound: dict[str, float], tag: str = "") -> Figu
             out[f"save vs min(p2p, memcpy)[{level}, {size} MiB{tag}]"] = _fig(
                 value, "GB/s", "min(p2p, memcpy) (same rounds, median)",
                 value / vs["median"], SAVE_BOUND_GOAL[level])
+            serial = part.get("save_vs_serial", {}).get(level, {}).get(size)
+            if serial:          # the floor when copy and transfer cannot overlap
+                out[f"save vs memcpy+p2p[{level}, {size} MiB{tag}]"] = _fig(
+                    value, "GB/s", "memcpy then p2p (same rounds, median)",
+                    value / serial["median"])
     for level, per_size in part["restore_gb_per_s"].items():
         size, value = _largest(per_size)
         to, goal = RESTORE_BOUND.get(level, (None, None))

@@ -20,7 +20,10 @@ from a barrier to a barrier:
   the state changes between saves, untimed), each timed round preceded by a memcpy of the
   same bytes on the same ranks (``save_vs_memcpy``: median, min, max of the per-round
   ratios) and by a ring exchange of them (each rank sends to the next, receives from the
-  previous: ``save_vs_bound`` = the slower of memcpy and p2p over the save, per round; ``save_round_s``: every round's seconds, whose largest deviation from their
+  previous: ``save_vs_bound`` = the slower of memcpy and p2p over the save, per round;
+  ``save_vs_serial`` = memcpy + p2p over the save, per round: a redundancy save must copy the
+  state once and move it once, and where every core runs a rank (here) the two cannot
+  overlap, so near 1 means at the floor of this machine; ``save_round_s``: every round's seconds, whose largest deviation from their
   median is the ``save spread`` figure); ``increment`` = save of the level - save of plain local at the same size (what
   the level itself costs; noise can make it negative);
 * restore: ``restore(state)`` of a fresh Checkpointer, the state scrambled first and checked
@@ -106,6 +109,7 @@ class Saved:
     cost: dict[str, Any]              # :func:`_mpi.costs` of one more save
     vs_memcpy: list[float]            # per round: memcpy seconds / save seconds
     vs_bound: list[float]             # per round: max(memcpy, p2p) seconds / save seconds
+    vs_serial: list[float]            # per round: (memcpy + p2p) seconds / save seconds
     last: int                         # the last step saved
 
 
@@ -119,7 +123,7 @@ def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int) -> Saved:
     ckpt = Checkpointer(topo, cfg)
     steps = itertools.count(1)
     memcpy, p2p = _memcpy_timer(topo, state), _p2p_timer(topo, state)
-    out = Saved([], {}, [], [], 0)
+    out = Saved([], {}, [], [], [], 0)
     try:
         for _ in range(WARMUP):
             ckpt.save(next(steps), state)
@@ -130,6 +134,7 @@ def _save(topo: Any, cfg: Any, state: dict[str, Any], repeat: int) -> Saved:
             out.rounds.append(seconds)
             out.vs_memcpy.append(copy / seconds)
             out.vs_bound.append(max(copy, wire) / seconds)
+            out.vs_serial.append((copy + wire) / seconds)
         if repeat % 2:
             negate(state)
         out.cost = _mpi.costs(topo.comm, lambda: ckpt.save(next(steps), state),
@@ -242,7 +247,7 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
                                                  "save_costs": {}, "restore_costs": {},
                                                  "restore_vs_memcpy": {},
                                                  "save_vs_memcpy": {}, "save_round_s": {},
-                                                 "save_vs_bound": {}}
+                                                 "save_vs_bound": {}, "save_vs_serial": {}}
     for size in args.sizes:
         state, key = make_state(topo.rank, size << 20), str(size)
         for level in args.levels:
@@ -256,6 +261,7 @@ def _measure(args: argparse.Namespace, topo: Any, local: str, pfs: str,
             saved = (min(got.rounds), got.cost)
             out["save_round_s"].setdefault(level, {})[key] = [round(r, 5) for r in got.rounds]
             out["save_vs_bound"].setdefault(level, {})[key] = _mpi.spread(got.vs_bound)
+            out["save_vs_serial"].setdefault(level, {})[key] = _mpi.spread(got.vs_serial)
             *restored, ratios = _restore(topo, cfg, state, level, args.repeat, got.last)
             for op, (seconds, cost) in (("save", saved), ("restore", restored)):
                 out[f"{op}_s"].setdefault(level, {})[key] = seconds
@@ -319,6 +325,9 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
         vs = res["save_vs_bound"][level][size]
         lines.append(f"save/max(memcpy,p2p)[{level}, {size} MiB]: {vs['median']:.3f} "
                      f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
+        vs = res["save_vs_serial"][level][size]
+        lines.append(f"save/(memcpy+p2p)[{level}, {size} MiB]: {vs['median']:.3f} "
+                     f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
         for op in ("save", "restore"):
             vs = res[f"{op}_vs_memcpy"][level][size]
             lines.append(f"{op}/memcpy[{level}, {size} MiB]: {vs['median']:.3f} "
@@ -334,6 +343,7 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
         "save_costs": res["save_costs"], "restore_costs": res["restore_costs"],
         "restore_vs_memcpy": res["restore_vs_memcpy"], "save_vs_memcpy": res["save_vs_memcpy"],
         "save_round_s": res["save_round_s"], "save_vs_bound": res["save_vs_bound"],
+        "save_vs_serial": res["save_vs_serial"],
         "warmup_saves": WARMUP,
         "settings": {**settings, "ranks_per_node": args.ranks_per_node, "async": False},
         "levels": {lv: LEVELS[lv] for lv in args.levels}, "machine": _mpi.machine(),
