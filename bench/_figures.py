@@ -121,13 +121,26 @@ def _mib(part: dict[str, Any]) -> int:
     return int(part.get("shard_bytes_per_rank", 0)) >> 20
 
 
-def peers(part: dict[str, Any]) -> Figures:
+def _gib(part: dict[str, Any]) -> str:
+    """State per rank of a hdf5_vs_dcp part, e.g. ``1 GiB``."""
+    ranks = part.get("machine", {}).get("ranks") or 1
+    return f"{part.get('state_bytes_all_ranks', 0) / ranks / 2**30:.3g} GiB"
+
+
+def peers(part: dict[str, Any], tag: str = "") -> Figures:
+    """Throughput of every method (goal pairs against their peer), then the PFS level's
+    goals (``pfs[...]``: ratios of seconds as ``bench/hdf5_vs_dcp.py`` defines them)."""
     gbs, out = part["gb_per_s"], {}
     pairs = part.get("goal", {}).get("pairs", {})
     for name, value in gbs.items():
         peer = pairs.get(name)
-        out[f"peer[{name}]"] = _fig(value, "GB/s", peer, gbs.get(peer or ""),
-                                    1.5 if peer else None)
+        out[f"peer[{name}{tag}]"] = _fig(value, "GB/s", peer, gbs.get(peer or ""),
+                                         1.5 if peer else None)
+    for name, g in part.get("pfs_goals", {}).items():
+        num, den = (g["of"] + [None, None])[:2]
+        out[f"pfs[{name}{tag}]"] = _fig(g["ratio"], "x" if den else "MiB",
+                                        f"{num} / {den}" if den else "1", 1.0, g["goal"],
+                                        g["op"])
     return out
 
 
@@ -207,7 +220,9 @@ def derive(parts: dict[str, dict[str, Any]]) -> Figures:
     out: Figures = {}
     steps = (("bounds", lambda p: bounds(p)), ("levels", lambda p: levels(p, bound)),
              ("levels_2ranks", lambda p: levels(p, bound, f", {p['ranks']} ranks")),
-             ("redundancy", redundancy), ("hdf5_vs_dcp", peers), ("protocol", protocol),
+             ("redundancy", redundancy), ("hdf5_vs_dcp", peers),
+             ("hdf5_vs_dcp_1g", lambda p: peers(p, f", {_gib(p)} per rank")),
+             ("protocol", protocol),
              ("recovery", recovery), ("hp_overlap", overlap), ("memory", memory))
     for name, fn in steps:
         if name in parts:

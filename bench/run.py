@@ -47,6 +47,13 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
                    ["--ranks", "2", "--size-mib", "1", "--repeat", "1"]),
     "hdf5_vs_dcp": (["--size-mib", "256"], ["--quick", "--ranks", "2"],
                     ["--quick", "--ranks", "2", "--size-mib", "4", "--repeat", "1"]),
+    # the PFS goals' large setting: 1 GiB per rank, 2 ranks (one per node)
+    "hdf5_vs_dcp_1g": (["--ranks", "2", "--ranks-per-node", "1", "--size-mib", "1024",
+                        "--repeat", "2", "--name", "hdf5_vs_dcp_1g"],
+                       ["--quick", "--ranks", "2", "--ranks-per-node", "1",
+                        "--name", "hdf5_vs_dcp_1g"],
+                       ["--quick", "--ranks", "2", "--ranks-per-node", "1", "--repeat", "1",
+                        "--name", "hdf5_vs_dcp_1g"]),
     "protocol": ([], ["--quick"], ["--quick", "--ranks-list", "2,4", "--saves", "4"]),
     "recovery": ([], ["--quick"], ["--quick"]),
     "hp_overlap": ([], ["--steps", "20", "--repeat", "2"],
@@ -54,7 +61,7 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
 }
 
 #: parts run by another part's script (with their own arguments and report name)
-SCRIPTS = {"levels_2ranks": "levels"}
+SCRIPTS = {"levels_2ranks": "levels", "hdf5_vs_dcp_1g": "hdf5_vs_dcp"}
 
 
 def run_part(name: str, extra: list[str], out: Path) -> tuple[dict[str, Any], float]:

@@ -157,3 +157,26 @@ def test_hp_overheads_from_alternating_rounds() -> None:
     assert figs["hp overhead p50[local+partner every 5th]"]["goal"] == 0.01
     assert figs["hp overhead p99[local+partner]"]["goal"] is None
     assert "hp overhead p50[none]" not in figs
+
+
+def test_pfs_goal_figures_carry_their_goal_and_direction() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import hdf5_vs_dcp
+    t = {"torch_dcp_save": 2.0, "ftkit_save_total": 4.0, "fs_write": 1.0,
+         "ftkit_hdf5_save": 1.0, "torch_dcp_load": 3.0, "ftkit_hdf5_load": 2.0,
+         "ftkit_pfs_stall": 0.05, "torch_dcp_async_save_blocking": 1.0,
+         "ftkit_local_load": 0.25}
+    part = {"gb_per_s": {}, "pfs_goals": hdf5_vs_dcp.pfs_goals(t, 40.0)}
+    figs = _figures.derive({"hdf5_vs_dcp": part})
+    durable = figs["pfs[durable vs dcp save]"]
+    assert durable["ratio"] == pytest.approx(0.5) and durable["met"] is False   # >= 1.0
+    assert figs["pfs[flush vs disk write+fsync]"]["met"] is True                # 1.0 >= 0.9
+    assert figs["pfs[cold restore vs dcp load]"]["ratio"] == pytest.approx(1.5)
+    stall = figs["pfs[stall vs dcp async_save stall]"]
+    assert stall["ratio"] == pytest.approx(0.05) and stall["op"] == "<=" and stall["met"]
+    assert figs["pfs[node-local restore vs cold pfs restore]"]["ratio"] == pytest.approx(8.0)
+    memory = figs["pfs[leader memory in a flush (MiB)]"]
+    assert memory["value"] == 40.0 and memory["met"] is False                  # <= 16 MiB
+    part["pfs_goals"] = hdf5_vs_dcp.pfs_goals({"fs_write": 1.0}, 0.0)          # not measured
+    assert [k for k in _figures.derive({"hdf5_vs_dcp": part}) if k.startswith("pfs[")] == \
+        ["pfs[leader memory in a flush (MiB)]"]

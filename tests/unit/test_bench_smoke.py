@@ -96,9 +96,20 @@ def test_hdf5_vs_dcp_part(smoke: dict[str, Any]) -> None:
     if "torch_dcp_async_save" not in rep["skipped"]:
         _positive(rep["ratios"], ["ftkit_hdf5_save/torch_dcp_async_save"])
     methods = ["ftkit_hdf5_save", "ftkit_hdf5_load", "ftkit_save_total", "torch_dcp_save",
-               "torch_dcp_load", "torch_save", "torch_load", "fs_write", "fs_read"]
+               "torch_dcp_load", "torch_save", "torch_load", "fs_write", "fs_read",
+               "ftkit_local_load", "torch_dcp_save_threads"]
     _positive(rep["seconds"], methods)
     _positive(rep["gb_per_s"], methods)
+    _positive(rep["seconds"], ["ftkit_pfs_stall"])
+    goals = rep["pfs_goals"]
+    assert {"durable vs dcp save", "flush vs disk write+fsync", "cold restore vs dcp load",
+            "node-local restore vs cold pfs restore",
+            "leader memory in a flush (MiB)"} <= set(goals), goals
+    assert all(isinstance(g["met"], bool) and g["ratio"] >= 0 for g in goals.values()), goals
+    assert "posix_fadvise" in rep["machine"]["cold_reads"]
+    large = smoke["parts"]["hdf5_vs_dcp_1g"]            # its own setting, same script
+    assert large["machine"]["ranks"] == 2 and large["machine"]["ftkit_nodes"] == 2
+    assert any(k.startswith("pfs[durable vs dcp save, ") for k in smoke["figures"])
     assert rep["goal"]["ratio"] == 1.5
     assert set(rep["goal"]["met"]) == {"ftkit_hdf5_save", "ftkit_hdf5_load"}
     machine = rep["machine"]
