@@ -39,3 +39,23 @@ def test_only_the_newest_pfs_steps_stay(ftkit_env, async_) -> None:
         fresh.close()
     assert allgather(got) == [5] * 4
     assert diff(canon(small_state(RANK, 5)), canon(state)) == []
+
+
+def test_a_failed_flush_removes_nothing(ftkit_env) -> None:
+    """``pfs:1``, keep 2; the flush of step 3 fails on rank 1. Nothing is removed for it (a
+    step goes only after a newer one is committed): steps 1 and 2 stay until step 4 commits,
+    which then retires step 1 only (the newest two committed are 4 and 2)."""
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(async_=False, levels="local:1,pfs:1",
+                                              pfs_keep=2,
+                                              faults="raise:rank=1:step=3:phase=flush"))
+        pfs_job = ftkit_env.pfs_dir / ftkit_env.job
+        seen = []
+        for step in range(1, 5):
+            ckpt.save(step, small_state(RANK, step))
+            seen.append(committed_pfs_steps(pfs_job))
+        ckpt.close()
+    assert seen == [[1], [1, 2], [1, 2], [2, 4]], seen
+    flushes = [(e["step"], e["removed"]) for e in events(ftkit_env.events_path)
+               if e["event"] == "flush"]
+    assert flushes == [(1, []), (2, []), (4, [1])], flushes
