@@ -322,15 +322,12 @@ def _report(args: argparse.Namespace, nodes: int, settings: dict[str, int],
             lines.append(f"increment[{level}, {size} MiB]: {inc[level][size]:+.4f} s")
         lines.append(f"restore[{level}, {size} MiB]: {restore_gbs[level][size]:.2f} GB/s "
                      f"({restore[level][size]:.4f} s)")
-        vs = res["save_vs_bound"][level][size]
-        lines.append(f"save/max(memcpy,p2p)[{level}, {size} MiB]: {vs['median']:.3f} "
-                     f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
-        vs = res["save_vs_serial"][level][size]
-        lines.append(f"save/(memcpy+p2p)[{level}, {size} MiB]: {vs['median']:.3f} "
-                     f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
-        for op in ("save", "restore"):
-            vs = res[f"{op}_vs_memcpy"][level][size]
-            lines.append(f"{op}/memcpy[{level}, {size} MiB]: {vs['median']:.3f} "
+        for label, key in (("save/max(memcpy,p2p)", "save_vs_bound"),
+                           ("save/(memcpy+p2p)", "save_vs_serial"),
+                           ("save/memcpy", "save_vs_memcpy"),
+                           ("restore/memcpy", "restore_vs_memcpy")):
+            vs = res[key][level][size]
+            lines.append(f"{label}[{level}, {size} MiB]: {vs['median']:.3f} "
                          f"(min {vs['min']:.3f}, max {vs['max']:.3f}, alternating rounds)")
         for op in ("save", "restore"):
             lines.append(f"costs[{op}, {level}, {size} MiB]: "

@@ -110,18 +110,19 @@ class StreamCheck:
     step and the level."""
 
     def __init__(self, path: Path, size: int, *, source: int, rank: int, step: int,
-                 world: int | None, level: str, damage: str | None = None) -> None:
+                 world: int | None, level: str, damage: str | None = None,
+                 counted: bool = True) -> None:
         """``damage``: how errors describe a mismatch (default: corrupted in transfer from
-        ``source``, or on it after it was written)."""
+        ``source``, or on it after it was written). ``counted``: the checksum is a ``hash``
+        pass of its own (False where it rides on a receive: each piece is checked right
+        after it landed, while it is in cache)."""
         self.path, self.size, self.source = path, size, source
         self.damage = damage or (f"corrupted in transfer from rank {source} (or on it "
                                  f"after it was written)")
         self.rank, self.step, self.world, self.level = rank, step, world, level
         self.pos = 0                                     # bytes fed so far
         self.header: dict[str, Any] | None = None
-        #: count the checksum as a ``hash`` pass (False where it rides on a receive: each
-        #: piece is checked right after it landed, while it is in cache)
-        self.counted = True
+        self.counted = counted
         self._head = bytearray()
         self._need = _PREAMBLE.size                      # header bytes needed next
         self._spans: list[tuple[int, int, str, str]] = []  # offset, end, checksum, path
@@ -265,7 +266,7 @@ class FileRecv:
         self.slots = slots
         self.slot: Path | None = None               # the claimed slot (direct mode)
         self._landing: list[tuple[MPI.Request, np.ndarray]] = []   # direct: in order
-        self._places: list[np.ndarray] = []         # direct: every chunk's place in the slot
+        self._posted = 0                            # direct: chunk receives posted so far
         self.tmp: Path | None = None                # created by start()
         self.size = np.zeros(1, dtype=np.int64)
         self.size_req: MPI.Request | None = None
@@ -288,18 +289,15 @@ class FileRecv:
     def start(self) -> None:
         """After the size arrived: create the destination and post the first chunk."""
         self.size_req = None
+        claimed = self._claim()
         if self.verify is not None:
-            v = self.verify
+            v = self.verify          # straight into a slot, each chunk checked as it lands
             self.check = StreamCheck(self.path, self.nbytes, source=self.source,
                                      rank=v.rank_of(self.source), step=v.step, world=v.world,
-                                     level=v.level)
-        claimed = self._claim()
+                                     level=v.level, counted=claimed is None)
         if claimed is not None:
             self.slot, view = claimed
-            self._bufs = chunks(view)
-            self._places = list(self._bufs)
-            if self.check is not None:
-                self.check.counted = False      # each chunk checked as it lands: in cache
+            self._bufs = chunks(view)               # every chunk's place in the slot
             self._fill()
             return
         self._fd, self.tmp = create_temp(self.path)
@@ -343,8 +341,9 @@ class FileRecv:
 
     def _fill(self) -> None:
         """Post the receives of the next chunks until WINDOW are in flight (direct mode)."""
-        while len(self._landing) < WINDOW and self._places:
-            c = self._places.pop(0)
+        while len(self._landing) < WINDOW and self._posted < len(self._bufs):
+            c = self._bufs[self._posted]
+            self._posted += 1
             self._landing.append((self.comm.Irecv([c, MPI.BYTE], self.source, self.tag), c))
 
     def _poll_direct(self) -> bool:
