@@ -155,7 +155,8 @@ def _step_number(directory: Path) -> int | None:
 
 def _is_step_dir(directory: Path) -> bool:
     return (_step_number(directory) is not None or os.path.lexists(directory / INDEX)
-            or os.path.lexists(directory / COMMIT_RECORD) or any(directory.glob("node-*.h5")))
+            or os.path.lexists(directory / COMMIT_RECORD)
+            or any(h5files.step_file(p.name) for p in directory.glob("*.h5")))
 
 
 def _job_of(step_dir: Path) -> Path | None:
@@ -236,7 +237,7 @@ class StepScan:
 
     @property
     def files(self) -> list[str]:
-        return sorted(p.name for p in self.ref.dir.glob("node-*.h5"))
+        return sorted(p.name for p in self.ref.dir.glob("*.h5") if h5files.step_file(p.name))
 
     def add(self, where: str, why: str) -> None:
         """Record a problem once (ranks in one damaged node file all hit the same one)."""

@@ -150,11 +150,10 @@ class Faults:
     def _node_of(self, rank: int) -> int | None:
         return self.rank_node[rank] if 0 <= rank < len(self.rank_node) else None
 
-    def after_write(self, path: Path, *, level: str, step: int,
-                    ranks: Sequence[int] = ()) -> None:
-        """Corrupt hook: flip one byte of ``path`` if a ``corrupt`` fault matches. ``ranks``:
-        the ranks whose data the file holds when it is not only this rank's (PFS node file)."""
-        if self._take_corrupt(level, step, ranks):
+    def after_write(self, path: Path, *, level: str, step: int) -> None:
+        """Corrupt hook: flip one byte of ``path`` (a file holding only this rank's data: its
+        shard, its PFS rank file) if a ``corrupt`` fault matches."""
+        if self._take_corrupt(level, step):
             flip_byte(path)
             log.warning("injected fault: flipped a byte of %s (rank %d, step %d, level %s)",
                         path, self.rank, step, level)
@@ -163,7 +162,7 @@ class Faults:
         """Corrupt hook on received data: flip one byte of ``buf`` (a writable uint8 array,
         a chunk just received over MPI) if a ``corrupt`` fault for this rank, ``level`` and
         ``step`` matches; returns whether it did. Empty buffers are never hit."""
-        if len(buf) == 0 or not self._take_corrupt(level, step, ()):
+        if len(buf) == 0 or not self._take_corrupt(level, step):
             return False
         pos = len(buf) - 1 - len(buf) // 4          # where flip_byte hits a whole file
         buf[pos] ^= 0xFF
@@ -171,13 +170,13 @@ class Faults:
                     "step %d)", pos, level, self.rank, step)
         return True
 
-    def _take_corrupt(self, level: str, step: int, ranks: Sequence[int]) -> bool:
+    def _take_corrupt(self, level: str, step: int) -> bool:
         """Mark the first matching, not yet fired ``corrupt`` fault fired; True if any."""
         for i, f in enumerate(self.faults):
             if f.kind != "corrupt" or i in self._fired:
                 continue
-            if any(f.matches(phase=None, step=step, rank=r, node=self.node,
-                             attempt=self.attempt, level=level) for r in (ranks or [self.rank])):
+            if f.matches(phase=None, step=step, rank=self.rank, node=self.node,
+                         attempt=self.attempt, level=level):
                 self._fired.add(i)
                 return True
         return False

@@ -172,7 +172,9 @@ def test_node_failure_uses_spare(tmp_path: Path, healthy: None,
     _kill_node(victim, tmp_path / "local")
     rc = job.wait()
     assert rc == 0, job.text()
-    [nodes] = [e for e in job.events() if e["event"] == "nodes"]
+    recoveries = [e for e in job.events() if e["event"] == "nodes"]
+    assert len(recoveries) == 1, job.text()
+    [nodes] = recoveries
     assert list(nodes["failed"]) == [victim], nodes
     spare = nodes["replaced"][victim]
     assert spare not in job.slots()[:2] and spare != victim, nodes

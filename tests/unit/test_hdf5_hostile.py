@@ -110,6 +110,78 @@ def test_node_file_of_another_step_is_refused(step: Path, tmp_path: Path) -> Non
     _refused(step, "group says step 2, expected 4", rank=1)
 
 
+# ------------------------------------------------- rank files (the layout flushes write)
+
+@pytest.fixture
+def ranked(tmp_path: Path) -> Path:
+    """Step 4 as the PFS level writes it: ``rank-<r>.h5`` hold the data, ``node-<id>.h5``
+    link to them (2 ranks, one node)."""
+    d = tmp_path / "ranked" / "step-4"
+    write_step(d, [_state(0), _state(1)], step=4, ranks_per_node=2, rank_files=True)
+    return d
+
+
+def _relinked(step_dir: Path, file: str, target: str, path: str = "/rank/0") -> None:
+    def relink(h5: Any) -> None:
+        del h5["rank/0"]
+        h5["rank/0"] = h5py.ExternalLink(target, path)
+    _craft(step_dir / file, relink)
+
+
+def test_rank_files_read_through_two_links_and_with_plain_h5py(ranked: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """The index links the node file, which links each rank's file: ftkit resolves both
+    hops itself, and plain h5py (from another working directory) sees one checkpoint."""
+    with StepReader(ranked, 4, require_commit=True) as reader:
+        group, arrays = reader.read(1)
+    assert group.file == str(ranked / "rank-1.h5")
+    assert arrays[1].view(np.float32).tolist() == [8.0] * 6
+    record = hdf5.read_commit(ranked, 4)
+    assert sorted(record["files"]) == ["ftkit.h5", "node-0.h5", "rank-0.h5", "rank-1.h5"]
+    assert record["files"]["node-0.h5"]["raw"] == []          # links only, no tensor data
+    monkeypatch.chdir(tmp_path)
+    with h5py.File(ranked / "ftkit.h5", "r") as h5:
+        assert h5["rank/1/model/b"][()].tolist() == [[8.0] * 3] * 2
+
+
+@pytest.mark.parametrize("target", ["rank-1.h5", "node-0.h5", "../rank-0.h5"])
+def test_node_file_links_only_to_the_ranks_own_file(ranked: Path, target: str) -> None:
+    _relinked(ranked, "node-0.h5", target)
+    why = _refused(ranked, "only /rank/0 of rank-0.h5 in the step directory is followed")
+    assert "node-0.h5:/rank/0" in why and target in why
+
+
+def test_rank_file_links_nowhere(ranked: Path) -> None:
+    """A rank file whose group is an external link (here to itself) is refused at once."""
+    _relinked(ranked, "rank-0.h5", "rank-0.h5")
+    _refused(ranked, "rank-0.h5:/rank/0 .*nothing: a rank file holds its group")
+
+
+def test_index_may_link_straight_to_the_ranks_own_file(ranked: Path) -> None:
+    _relinked(ranked, "ftkit.h5", "rank-0.h5")
+    with StepReader(ranked, 4) as reader:
+        assert reader.read(0)[0].file == str(ranked / "rank-0.h5")
+    _relinked(ranked, "ftkit.h5", "rank-1.h5", "/rank/1")
+    _refused(ranked, "links to rank-1.h5:/rank/1; only /rank/0 of a node-<id>.h5 file")
+
+
+def test_rank_file_missing_from_the_record_is_refused(ranked: Path) -> None:
+    record = hdf5.read_commit(ranked)
+    del record["files"]["rank-0.h5"]
+    hdf5.write_commit(ranked, record)
+    _refused(ranked, "rank-0.h5 .*digest in COMMITTED is malformed")
+    with StepReader(ranked, 4) as reader:          # the other rank's files are unaffected
+        assert reader.read(1)[0].attrs["rank"] == 1
+
+
+def test_damaged_rank_file_is_refused_before_it_is_opened(ranked: Path) -> None:
+    data = bytearray((ranked / "rank-0.h5").read_bytes())
+    data[100] ^= 0xFF                                # the superblock region: metadata
+    (ranked / "rank-0.h5").write_bytes(bytes(data))
+    _refused(ranked, "rank-0.h5 .*HDF5 metadata digest mismatch.*not opened")
+
+
 def test_other_job_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "job" / "step-4"
     write_step(d, [_state(0)], step=4, job="someone-else", ranks_per_node=1)

@@ -35,8 +35,11 @@ from ftkit.testing.faults import flip_byte
 
 
 def write_step(step_dir: Path, states: list[dict[str, Any]], *, tp: int = 1, pp: int = 1,
-               ranks_per_node: int = 2, step: int = 1, job: str = "synth") -> None:
-    """A committed PFS step written with ftkit's own shard and HDF5 writers."""
+               ranks_per_node: int = 2, step: int = 1, job: str = "synth",
+               rank_files: bool = False) -> None:
+    """A committed PFS step written with ftkit's own shard and HDF5 writers: with
+    ``rank_files`` as the PFS level writes it (``rank-<r>.h5`` with the data, ``node-<id>.h5``
+    linking them), else in the older layout (the node files hold the data)."""
     world = len(states)
     dp = world // (tp * pp)
     step_dir.mkdir(parents=True)
@@ -52,8 +55,15 @@ def write_step(step_dir: Path, states: list[dict[str, Any]], *, tp: int = 1, pp:
         shards = [Shard.open(step_dir / f".rank-{r}.ftk") for r in ranks]
         topo = {r: {"dp_idx": (r // tp) % dp, "tp_idx": r % tp, "pp_idx": r // (tp * dp),
                     "node": node} for r in ranks}
-        files[f"node-{node}.h5"] = hdf5.write_node_file(step_dir / f"node-{node}.h5", shards,
-                                                        topo)
+        node_file = step_dir / f"node-{node}.h5"
+        if rank_files:
+            files[node_file.name] = hdf5.write_node_links(node_file, list(ranks))
+            for shard in shards:
+                r = shard.header["rank"]
+                files[f"rank-{r}.h5"] = hdf5.write_rank_file(step_dir / f"rank-{r}.h5", shard,
+                                                            topo[r])
+        else:
+            files[node_file.name] = hdf5.write_node_file(node_file, shards, topo)
         for shard in shards:
             shard.close()
     for p in step_dir.glob(".rank-*.ftk"):
@@ -72,12 +82,20 @@ def _state(rank: int, pos: int = 1234) -> dict[str, Any]:
             "data": {"pos": pos, "epoch": 0}}
 
 
-@pytest.fixture
-def step_dir(tmp_path: Path) -> Path:
-    """``job/step-1``: 2 ranks on one node (node-0.h5)."""
+@pytest.fixture(params=["rank files", "node files"])
+def step_dir(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """``job/step-1``: 2 ranks on one node (node-0.h5), in the layout the PFS level writes
+    (``rank-<r>.h5`` holding the data) and in the older one (the node file holds it)."""
     d = tmp_path / "job" / "step-1"
-    write_step(d, [_state(0), _state(1)])
+    write_step(d, [_state(0), _state(1)], rank_files=request.param == "rank files")
     return d
+
+
+def data_file(step_dir: Path, rank: int) -> Path:
+    """The file of a step that holds ``rank``'s datasets (its rank file, or its node file in
+    steps written before rank files existed; one node here)."""
+    own = step_dir / f"rank-{rank}.h5"
+    return own if own.exists() else step_dir / "node-0.h5"
 
 
 def _edit(path: Path, fn: Callable[[Any], None], *, recommit: bool = False) -> None:
@@ -138,6 +156,8 @@ def test_tampered_metadata_is_refused_everywhere(step_dir: Path, tmp_path: Path,
     """Before: read_rank returned the tampered values (the tree with pos 9999, swapped paths,
     reinterpreted dtypes/shapes, another rank's group), verify said ok, export wrote them."""
     name, edit = TAMPER[case]
+    if name == "node-0.h5":
+        name = data_file(step_dir, 0).name
     _edit(step_dir / name, edit)
     with pytest.raises(CorruptCheckpointError, match="HDF5 metadata digest mismatch|COMMITTED "
                                                      "recorded") as err:
@@ -158,7 +178,7 @@ def test_tampered_metadata_is_refused_everywhere(step_dir: Path, tmp_path: Path,
     with pytest.raises(CorruptCheckpointError, match="metadata checksum mismatch") as err:
         h5read.read_rank(step_dir, 0)
     assert str(step_dir / name) in str(err.value)
-    if name == "node-0.h5":
+    if name != hdf5.INDEX:
         assert f"{step_dir / name}:/rank/0" in str(err.value) and "rank 0" in str(err.value)
 
 
@@ -176,14 +196,14 @@ def test_inconsistent_but_sealed_attributes_are_cross_checked(step_dir: Path) ->
     def shape(h5: Any) -> None:
         h5["rank/0/model/a"].attrs["ftkit_shape"] = [4]
         hdf5.seal(h5["rank/0"])
-    _edit(step_dir / "node-0.h5", shape, recommit=True)
+    _edit(data_file(step_dir, 0), shape, recommit=True)
     with pytest.raises(CorruptCheckpointError, match=r"model/a.*stored as <f4 \(2, 3\)"):
         h5read.read_rank(step_dir, 0, step=1)
 
     def drop(h5: Any) -> None:
         del h5["rank/1/model/b"]
         hdf5.seal(h5["rank/1"])
-    _edit(step_dir / "node-0.h5", drop, recommit=True)
+    _edit(data_file(step_dir, 1), drop, recommit=True)
     with pytest.raises(CorruptCheckpointError, match=r"tree has 3 tensors but it holds 2 "
                                                      r"datasets \(missing ftkit_index \[1\]\)"):
         h5read.read_rank(step_dir, 1, step=1)
@@ -200,7 +220,7 @@ def test_itemsize_without_torch() -> None:
 def test_files_without_meta_checksum_are_refused(step_dir: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Format ftkit-hdf5-1 had no metadata checksums: refused with a clear message."""
-    for name in ("ftkit.h5", "node-0.h5"):
+    for name in dict.fromkeys(("ftkit.h5", "node-0.h5", data_file(step_dir, 0).name)):
         def legacy(h5: Any) -> None:
             h5.attrs["format"] = "ftkit-hdf5-1"
             del h5.attrs[hdf5.META]
@@ -306,17 +326,21 @@ def _bad_leaf_index(h5: Any) -> None:
     hdf5.seal(h5["rank/0"])
 
 
+@pytest.mark.parametrize("rank_files", [True, False], ids=["rank files", "node files"])
 @pytest.mark.parametrize("damage", ["tree pos (unsealed)", "RecursionError (sealed)",
                                     "IndexError (sealed)", "data byte"])
-def test_restore_falls_back_on_any_failure(tmp_path: Path, damage: str) -> None:
+def test_restore_falls_back_on_any_failure(tmp_path: Path, damage: str, rank_files: bool
+                                           ) -> None:
     """Step 2 is damaged; restore must skip it (restore-skip event, one-line reason) and load
     step 1. Before: the tampered tree was loaded (pos 9999), and RecursionError/IndexError
     escaped restore_from_pfs, aborting every relaunch."""
     from ftkit.recovery import pfs_restore
     job = tmp_path / "job"
-    write_step(job / "step-1", [_state(0, pos=1000)], step=1, ranks_per_node=1)
-    write_step(job / "step-2", [_state(0, pos=1234)], step=2, ranks_per_node=1)
-    node2 = job / "step-2" / "node-0.h5"
+    write_step(job / "step-1", [_state(0, pos=1000)], step=1, ranks_per_node=1,
+               rank_files=rank_files)
+    write_step(job / "step-2", [_state(0, pos=1234)], step=2, ranks_per_node=1,
+               rank_files=rank_files)
+    node2 = data_file(job / "step-2", 0)
     if damage == "data byte":
         with h5py.File(node2, "r") as h5:
             offset = h5["rank/0/model/a"].id.get_offset()
@@ -460,8 +484,8 @@ def _flip_all(step_dir: Path, flips: list[tuple[str, int]], per_flip_s: float = 
 
 @pytest.mark.timeout(600)
 def test_every_metadata_byte_flip_is_detected_or_harmless(tmp_path: Path) -> None:
-    """Flip, one at a time, every byte of ``ftkit.h5`` and the node file outside the tensors'
-    raw data, and every byte of ``COMMITTED``: the reader restore uses must raise
+    """Flip, one at a time, every byte of ``ftkit.h5``, the node file and the rank file
+    outside the tensors' raw data, and every byte of ``COMMITTED``: the reader restore uses must raise
     CorruptCheckpointError or return bit-identical results — never a silently different
     result, another exception, a hang or a crash. (Flips inside raw data are caught by the
     tensor checksums: test_restore_falls_back_on_any_failure.) ``FLIP_STRIDE=k`` tests every
@@ -474,8 +498,8 @@ def test_every_metadata_byte_flip_is_detected_or_harmless(tmp_path: Path) -> Non
     stride = int(os.environ.get("FLIP_STRIDE", "1"))
     step_dir = tmp_path / "job" / "step-1"
     write_step(step_dir, [{"w": np.arange(3, dtype=np.float32), "data": {"pos": 1234}}],
-               ranks_per_node=1)
-    flips = [(name, pos) for name in ("ftkit.h5", "node-0.h5")
+               ranks_per_node=1, rank_files=True)
+    flips = [(name, pos) for name in ("ftkit.h5", "node-0.h5", "rank-0.h5")
              for pos in _metadata_bytes(step_dir / name)[::stride]]
     flips += [("COMMITTED", pos) for pos in range((step_dir / "COMMITTED").stat().st_size)]
     t0 = time.monotonic()

@@ -33,6 +33,7 @@ import xxhash
 from ftkit.errors import CorruptCheckpointError
 
 NODE_FILE = re.compile(r"node-(\d{1,9})\.h5")
+RANK_FILE = re.compile(r"rank-(\d{1,9})\.h5")
 _READ = 16 << 20
 XXH3 = "xxh3-64:"
 
@@ -77,6 +78,18 @@ def node_file_name(name: Any) -> str | None:
     """``name`` when it is a node file name the PFS level writes (``node-<id>.h5``: no
     directory part), else None."""
     return name if isinstance(name, str) and NODE_FILE.fullmatch(name) else None
+
+
+def rank_file_name(name: Any, rank: int) -> str | None:
+    """``name`` when it is the name of ``rank``'s own file (``rank-<r>.h5``: no directory
+    part, that rank's number), else None."""
+    m = RANK_FILE.fullmatch(name) if isinstance(name, str) else None
+    return name if m is not None and int(m.group(1)) == rank else None
+
+
+def step_file(name: str) -> bool:
+    """True for the names of the HDF5 data files of a step (node and rank files)."""
+    return bool(NODE_FILE.fullmatch(name) or RANK_FILE.fullmatch(name))
 
 
 # --------------------------------------------------------------------------- storage

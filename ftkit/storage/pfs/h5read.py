@@ -7,9 +7,10 @@
 2. each file, against its digest, *before* h5py opens it (:func:`h5files.check_file`): libhdf5
    never parses a damaged byte of a committed step;
 3. each file's root (``format``, ``meta_checksum``) and the index's ``world``/``step``/``job``;
-4. ``/rank/<r>``: the index's external link is resolved by ftkit, not by HDF5 — only a
-   ``node-<id>.h5`` inside the step directory, opened by that validated name (HDF5 would also
-   search the working directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
+4. ``/rank/<r>``: external links are resolved by ftkit, not by HDF5 — the index's only to a
+   ``node-<id>.h5`` or ``rank-<r>.h5`` inside the step directory, a node file's only to
+   ``rank-<r>.h5``, each opened by that validated name (HDF5 would also search the working
+   directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
 5. the rank group (:meth:`hdf5.RankGroup.load`): seal, identity, hard links only, storage inside
    the file, attributes against stored dtype/shape, tree against datasets;
 6. every tensor's bytes against its checksum as they are read.
@@ -119,33 +120,45 @@ class StepReader:
         return self._nodes[name]
 
     def group(self, rank: int) -> RankGroup:
-        """The verified group of ``rank`` (through the index's link, resolved by ftkit)."""
-        h5py = _h5py()
-
-        def bad(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{self.path}:/rank/{rank}", why, rank=rank,
-                                          step=self.step, level="pfs")
-        top = self.h5.get("rank", getlink=True)
-        link = self.h5["rank"].get(str(rank), getlink=True) \
-            if isinstance(top, h5py.HardLink) else None
-        if link is None:
-            raise bad(f"rank {rank} is not linked")
-        if isinstance(link, h5py.ExternalLink):
-            name = h5files.node_file_name(link.filename)
-            if name is None or link.path != f"/rank/{rank}":
-                raise bad(f"links to {link.filename}:{link.path}; only /rank/{rank} of a "
-                          f"node-<id>.h5 file in the step directory is followed")
+        """The verified group of ``rank``, reached through at most two external links, each
+        resolved by ftkit: the index (or a file read on its own) may link to a node file or
+        to that rank's file, a node file only to that rank's file, a rank file to nothing."""
+        h5, size, file = self.h5, self.size, self.path
+        while True:
+            link = _rank_link(h5, rank)
+            if not isinstance(link, _h5py().ExternalLink):
+                break
+            name = self._link_target(link, rank, file)
             h5, size = self._node(name, rank)
             file = self.step_dir / name
-        elif isinstance(link, h5py.HardLink):
-            h5, size, file = self.h5, self.size, self.path
-        else:
-            raise bad(f"is a {type(link).__name__}; expected an external link to a node file")
+        if not isinstance(link, _h5py().HardLink):
+            why = f"rank {rank} is not linked" if link is None else \
+                f"is a {type(link).__name__}; expected a group or an external link"
+            raise CorruptCheckpointError(f"{file}:/rank/{rank}", why, rank=rank,
+                                         step=self.step, level="pfs")
         grp = _rank_group(h5, rank, file, self.step)
         world = self.meta.get("world")
         return RankGroup.load(grp, file, rank=rank, step=self.step,
                               world=world if isinstance(world, int) else None,
                               job=self.meta.get("job") or self.job, file_size=size)
+
+    def _link_target(self, link: Any, rank: int, file: Path) -> str:
+        """The validated file name an external link ``/rank/<rank>`` of ``file`` leads to."""
+        if h5files.rank_file_name(file.name, rank):
+            allowed, what = None, "nothing: a rank file holds its group"
+        elif h5files.node_file_name(file.name):
+            allowed = h5files.rank_file_name(link.filename, rank)
+            what = f"only /rank/{rank} of rank-{rank}.h5 in the step directory is followed"
+        else:
+            allowed = h5files.node_file_name(link.filename) or \
+                h5files.rank_file_name(link.filename, rank)
+            what = (f"only /rank/{rank} of a node-<id>.h5 file in the step directory is "
+                    f"followed (or of rank-{rank}.h5)")
+        if allowed is None or link.path != f"/rank/{rank}":
+            raise CorruptCheckpointError(
+                f"{file}:/rank/{rank}", f"links to {link.filename}:{link.path}; {what}",
+                rank=rank, step=self.step, level="pfs")
+        return allowed
 
     def read(self, rank: int, *, verify: bool = True,
              progress: Callable[[int], None] | None = None
@@ -164,7 +177,6 @@ class StepReader:
                 progress(0)
         return group, arrays
 
-
     def _tensor(self, rank: int, group: RankGroup, entry: dict[str, Any], ds: Any,
                 verify: bool) -> np.ndarray:
         """One dataset's bytes (flat uint8), size and (with ``verify``) checksum checked."""
@@ -181,6 +193,13 @@ class StepReader:
         if verify and (got := checksum(raw)) != entry["checksum"]:
             raise bad(f"checksum mismatch (stored {entry['checksum']}, data has {got})")
         return raw
+
+
+def _rank_link(h5: Any, rank: int) -> Any:
+    """The link ``/rank/<r>`` of an open file (None when absent or ``/rank`` is not plain)."""
+    top = h5.get("rank", getlink=True)
+    return h5["rank"].get(str(rank), getlink=True) \
+        if isinstance(top, _h5py().HardLink) else None
 
 
 def _rank_group(h5: Any, rank: int, file: Path, step: int | None) -> Any:

@@ -1,6 +1,8 @@
 """The self-describing HDF5 layout of the parallel-file-system level (docs/formats.md).
 
-``step-<s>/node-<id>.h5`` holds ``/rank/<r>/<state path>`` datasets of the ranks of one node;
+``step-<s>/rank-<r>.h5`` holds rank r's ``/rank/<r>/<state path>`` datasets (every rank writes
+its own file, in parallel); ``step-<s>/node-<id>.h5`` holds external links ``/rank/<r>`` into the
+rank files of one node's ranks (steps written before rank files existed hold the datasets there);
 ``step-<s>/ftkit.h5`` is the index: job attributes and external links ``/rank/<r>`` into the
 node files, so the whole step is browsable from one file with plain h5py or ``h5dump``.
 
@@ -407,12 +409,34 @@ def _write_atomic(path: Path, fill: Callable[[Any], None]) -> dict[str, Any]:
 
 def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
                     ) -> dict[str, Any]:
-    """Write the node file atomically; a corrupt shard raises CorruptCheckpointError and
-    leaves no file. Returns its file digest."""
+    """Write a file holding the rank groups of ``shards`` atomically (the layout of node
+    files before rank files existed, still read; a rank file holds one); a corrupt shard
+    raises CorruptCheckpointError and leaves no file. Returns its file digest."""
     def fill(h5: Any) -> None:
         h5.attrs["format"] = FORMAT
         for shard in shards:
             write_rank_group(h5, shard, topology[shard.header["rank"]])
+    return _write_atomic(path, fill)
+
+
+def write_rank_file(path: Path, shard: Shard, topology: dict[str, Any]) -> dict[str, Any]:
+    """Write one rank's file (``rank-<r>.h5``: the format attribute and ``/rank/<r>``)
+    atomically, its tensors checked against the shard's checksums on the way (a corrupt shard
+    raises CorruptCheckpointError and leaves no file). Returns its file digest."""
+    return write_node_file(path, [shard], {shard.header["rank"]: topology})
+
+
+def write_node_links(path: Path, ranks: list[int]) -> dict[str, Any]:
+    """Write a node file that holds no data (``node-<id>.h5``): external links ``/rank/<r>``
+    into each of the node's rank files ``rank-<r>.h5``, so the node's part of the step reads
+    as one file with plain h5py. Atomic; returns its file digest."""
+    h5py = _h5py()
+
+    def fill(h5: Any) -> None:
+        h5.attrs["format"] = FORMAT
+        group = h5.create_group("rank")
+        for rank in sorted(ranks):
+            group[str(rank)] = h5py.ExternalLink(f"rank-{rank}.h5", f"/rank/{rank}")
     return _write_atomic(path, fill)
 
 

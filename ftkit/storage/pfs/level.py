@@ -7,12 +7,14 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    holds a ``COMMITTED`` record (the step number is saved again after a restore fell back to
    an older step), removes that record durably (unlink, fsync) *before* any node file is
    rewritten; all ranks agree on it;
-1. every rank sends its node-local permanent shard to its node leader over MPI;
-2. each node leader writes ``step-<s>/node-<id>.h5`` (temp name, fsync, rename), verifying
-   every tensor's bytes against the shard's checksum as it copies them (a corrupt shard fails
-   the flush: corruption is never copied to the PFS);
-3. all ranks agree that every node file is durable; node leaders send rank 0 the byte digest
-   of their file (:mod:`ftkit.storage.pfs.h5files`);
+1. every rank writes ``step-<s>/rank-<r>.h5`` straight from its node-local permanent shard,
+   all ranks in parallel (temp name, fsync, rename), verifying every tensor's bytes against
+   the shard's checksum as it copies them (a corrupt shard fails the flush: corruption is
+   never copied to the PFS); each node leader also writes ``step-<s>/node-<id>.h5``, which
+   holds only external links ``/rank/<r>`` to its ranks' files;
+2. (no data crosses the network: no rank holds more than its own mapped shard)
+3. all ranks agree that every file is durable and send rank 0 the byte digests of the files
+   they wrote (:mod:`ftkit.storage.pfs.h5files`);
 4. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
    id, the node of every rank and the digest of every file, under its own checksum); all
    ranks agree that it did;
@@ -39,7 +41,6 @@ from ftkit.config import Config
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.pfs import hdf5
-from ftkit.storage.redundancy.transfer import exchange, recv_buffer
 from ftkit.storage.shard import Shard, fsync_dir
 from ftkit.storage.stepnames import step_dirs, step_name
 from ftkit.testing.faults import Faults
@@ -59,13 +60,11 @@ class PfsLevel:
         self.run_id = run_id              # written as ``run`` in the index and COMMITTED
         self.dc = dc                      # world (a DistComm of the PFS level's own)
         self.pruned: list[int] = []       # rank 0: steps the last flush's retention removed
-        self.node_dc = DistComm(topo.node_comm, dc.timeout)   # this node's ranks
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
 
     def free(self) -> None:
-        """Release the level's communicators (local)."""
+        """Release the level's communicator (local)."""
         self.dc.free()
-        self.node_dc.free()
 
     def step_dir(self, step: int) -> Path:
         return self.config.job_pfs_dir / step_name(step)
@@ -90,8 +89,8 @@ class PfsLevel:
             if why is not None:
                 raise FileNotFoundError(f"{self.local.shard_path(step)}: {why}")
         self._agreed(prepare, step)
-        digest = self._agreed(lambda: self._write_node_file(step), step)
-        digests = self.dc.gather(digest, "flush", step)
+        written = self._agreed(lambda: self._write_files(step), step)
+        digests = self.dc.gather(written, "flush", step)
         self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
         seconds = time.monotonic() - t0
         if self.topo.rank == 0:
@@ -147,29 +146,25 @@ class PfsLevel:
         for tmp in self.step_dir(step).glob(".*.tmp"):
             tmp.unlink(missing_ok=True)
 
-    def _write_node_file(self, step: int) -> dict[str, Any] | None:
-        """Node leaders write their node's file and return ``{"node", "digest"}``; the other
-        ranks send their shard to the leader and return None."""
-        leader = 0
-        path = self.local.shard_path(step)
-        if self.topo.node_rank != leader:
-            exchange(self.node_dc, [(path, leader)], [], "flush", step)
-            return None
-        shards = [Shard.open(path, rank=self.topo.rank, step=step)]
-        for src in range(1, self.node_dc.size):
-            buf = recv_buffer(self.node_dc, src, "flush", step)
-            rank = self.topo.ranks_on(self.topo.node)[src]
-            shards.append(Shard.parse(buf, Path(f"<rank {rank} shard of step {step}>"),
-                                      rank=rank, step=step))
-        topo = {r: self._coords(r) for r in self.topo.ranks_on(self.topo.node)}
-        node_file = self.step_dir(step) / f"node-{self.topo.node}.h5"
+    def _write_files(self, step: int) -> list[dict[str, Any]]:
+        """Write this rank's file ``rank-<r>.h5`` straight from its node-local shard (all
+        ranks at once, no data crosses the network); the node leader also writes the node's
+        link file ``node-<id>.h5``. Returns ``[{"file", "digest"}]`` of what this rank wrote."""
+        t = self.topo
+        written = []
+        if t.node_rank == 0:
+            node_file = self.step_dir(step) / f"node-{t.node}.h5"
+            written.append({"file": node_file.name,
+                            "digest": hdf5.write_node_links(node_file, t.ranks_on(t.node))})
+        rank_file = self.step_dir(step) / f"rank-{t.rank}.h5"
+        shard = Shard.open(self.local.shard_path(step), rank=t.rank, step=step)
         try:
-            digest = hdf5.write_node_file(node_file, shards, topo)
+            digest = hdf5.write_rank_file(rank_file, shard, self._coords(t.rank))
         finally:
-            for shard in shards:
-                shard.close()
-        self.faults.after_write(node_file, level=self.name, step=step, ranks=list(topo))
-        return {"node": node_file.name, "digest": digest}
+            shard.close()
+        self.faults.after_write(rank_file, level=self.name, step=step)
+        written.append({"file": rank_file.name, "digest": digest})
+        return written
 
     def _coords(self, rank: int) -> dict[str, Any]:
         c = coords_of(rank, self.topo.dp, self.topo.tp, self.topo.pp)
@@ -177,12 +172,12 @@ class PfsLevel:
 
     def _commit(self, step: int, parts: list[Any]) -> None:
         """Rank 0: write the index, then COMMITTED with the byte digest of every file of the
-        step (``parts``: what each rank returned from :meth:`_write_node_file`)."""
+        step (``parts``: what each rank returned from :meth:`_write_files`)."""
         t = self.topo
         meta = {"job": self.config.job, "step": step, "world": t.world, "dp": t.dp,
                 "tp": t.tp, "pp": t.pp, "nodes": len(t.nodes), "ftkit": _version(),
                 "run": self.run_id}
-        files = {p["node"]: p["digest"] for p in parts if p is not None}
+        files = {f["file"]: f["digest"] for written in parts for f in written or ()}
         files[hdf5.INDEX] = hdf5.write_index(self.step_dir(step), meta,
                                              {r: f"node-{t.rank_node[r]}.h5"
                                               for r in range(t.world)})
