@@ -107,7 +107,8 @@ class Checkpointer:
                             self.faults, run_id=self.run_id) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit,
-                              stop_requested=_stop_file_exists, identity=self.identity)
+                              stop_requested=_stop_file_exists, identity=self.identity,
+                              flush_busy=self._flush_busy)
         self.stop_requested = False       # set on every rank by a committed step's decision
         self.last_committed: int | None = None
         self.level_last: dict[str, int] = {}     # newest committed step of every level
@@ -121,6 +122,7 @@ class Checkpointer:
             if self._async and self.pfs is not None else None
         self._flushes: collections.deque[cf.Future[None]] = collections.deque()
         self._flushing: set[int] = set()         # steps being flushed: retention keeps them
+        self._delayed: int | None = None         # committed step whose flush waits its turn
         self.pfs_failures: dict[int, str] = {}   # step -> why its PFS flush failed (agreed)
         self.last_flushed: int | None = None     # newest step flushed to / restored from PFS
         self._staging: Staging | None = None
@@ -253,6 +255,13 @@ class Checkpointer:
         checkpoint's CheckpointError; a failed PFS flush is not raised (it is in
         ``pfs_failures``). All ranks call at the same point."""
         self._settle()
+        self._drain_flushes()
+        if self._delayed is not None:          # its turn now: every flush has finished
+            step, self._delayed = self._delayed, None
+            self._start_flush(step)
+            self._drain_flushes()
+
+    def _drain_flushes(self) -> None:
         while self._flushes:
             self._result(self._flushes.popleft(), "PFS flush")
 
@@ -400,17 +409,49 @@ class Checkpointer:
             self.last_committed = snap.step
             self.level_last.update({name: snap.step for name in snap.levels})
         raise_if_failed(out)
-        if self.pfs is not None and "pfs" in snap.levels:
-            self._start_flush(snap.step)
+        if self.pfs is not None:
+            self._schedule_flush(snap.step if "pfs" in snap.levels else None, out.flush_busy)
+
+    def _flush_busy(self) -> bool:
+        """This rank's previous PFS flush is still running (polled for the vote; never with
+        ``FTKIT_PFS_BACKPRESSURE=wait``, where the next flush waits for it). Local."""
+        if self.config.pfs_backpressure == "wait":
+            return False
+        return any(not f.done() for f in self._flushes)
+
+    def _schedule_flush(self, due: int | None, busy: bool) -> None:
+        """Back-pressure, after a commit (checkpoint thread). ``due``: the committed step
+        when it is due at ``pfs``; ``busy``: the vote found a flush still running on some
+        rank (the same on every rank, so every rank decides the same). Training never waits
+        for a flush: a due step whose flush would have to wait is *delayed* (kept
+        node-local) and flushed after the first commit that finds every flush finished, or
+        at :meth:`wait`; a newer due step *skips* the one still delayed. Events
+        ``flush-delayed`` / ``flush-skipped``."""
+        if due is not None and self._delayed is not None:
+            self._emit("flush-skipped", step=self._delayed, superseded_by=due)
+            self._flushing.discard(self._delayed)
+            self._delayed = None
+        if busy:
+            if due is not None:
+                self._delayed = due
+                self._flushing.add(due)        # retention keeps it until it is flushed
+                self._emit("flush-delayed", step=due,
+                           reason="the previous PFS flush is still running")
+            return
+        step = due if due is not None else self._delayed
+        self._delayed = None
+        if step is not None:
+            self._start_flush(step)
 
     def _start_flush(self, step: int) -> None:
-        """Flush committed ``step`` to the PFS: on the flush thread when async, after the
-        previous flush (back-pressure: at most one flush in flight)."""
+        """Flush committed ``step`` to the PFS: on the flush thread when async, else right
+        here. The previous flush has finished (:meth:`_schedule_flush`), or, with
+        ``FTKIT_PFS_BACKPRESSURE=wait``, the checkpoint thread waits for it here."""
         if self._flusher is None:
             self._flush(step)
             return
         for older in list(self._flushes):
-            older.exception(timeout=self._patience)     # back-pressure: one flush at a time
+            older.exception(timeout=self._patience)
         self._flushing.add(step)
         self._flushes.append(self._flusher.submit(self._flush, step))
 

@@ -21,6 +21,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
 #: over (what happens to existing steps is the Checkpointer's business).
 START_MODES = ("resume", "fresh")
+#: FTKIT_PFS_BACKPRESSURE: what a step due at ``pfs`` does while the previous flush runs
+#: (``Checkpointer._schedule_flush``): ``delay`` it (training never waits; a newer due step
+#: skips a delayed one) or ``wait`` for the previous flush (every due step is flushed).
+BACKPRESSURE_MODES = ("delay", "wait")
 #: ``FTKIT_TIMEOUT`` bounds, seconds: below 1 s a busy node misses control messages; past
 #: 7 days a stuck phase is never noticed (and a bogus ``inf`` or ``1e-9`` is a typo).
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 86400.0
@@ -77,6 +81,7 @@ class Config:
     rs_set: int = 4
     rs_parity: int = 2
     pfs_keep: int = 2                # committed PFS steps kept (older ones removed)
+    pfs_backpressure: str = "delay"  # a flush still running: delay the next, or wait
     ranks_per_node: int = 0          # 0 = detect real nodes
     async_: bool = True
     timeout: float = 120.0
@@ -125,6 +130,11 @@ class Config:
         if start not in START_MODES:
             raise ConfigError(f"FTKIT_START: {self.start!r}; valid: {', '.join(START_MODES)}")
         object.__setattr__(self, "start", start)
+        mode = self.pfs_backpressure.strip().lower()
+        if mode not in BACKPRESSURE_MODES:
+            raise ConfigError(f"FTKIT_PFS_BACKPRESSURE: {self.pfs_backpressure!r}; valid: "
+                              f"{', '.join(BACKPRESSURE_MODES)}")
+        object.__setattr__(self, "pfs_backpressure", mode)
         text = ",".join(f"{name}:{every}" for name, every in self.levels or DEFAULT_LEVELS)
         object.__setattr__(self, "levels", parse_levels(text))
         self._check_schedule()
@@ -241,6 +251,7 @@ _KEYS = {
     "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity", "PFS_KEEP": "pfs_keep",
     "RANKS_PER_NODE": "ranks_per_node", "ASYNC": "async_", "TIMEOUT": "timeout",
     "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level", "START": "start",
+    "PFS_BACKPRESSURE": "pfs_backpressure",
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
 _RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_FATAL_DIR", "FTKIT_ROOT",

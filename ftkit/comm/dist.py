@@ -75,21 +75,25 @@ class DistComm:
         self._tag_slots = (int(tag_ub or 32767) - TAG_FLOOR + 1) // TAG_ORDINALS
 
     # ---------------------------------------------------------------- plumbing
-    def wait(self, req: MPI.Request, phase: str, step: int | None) -> None:
-        """Poll ``req`` until it completes or the deadline passes (then raise)."""
-        self.waitall([req], phase, step)
+    def wait(self, req: MPI.Request, phase: str, step: int | None, *,
+             allow_bytes: int | None = None) -> None:
+        """Poll ``req`` until it completes or the deadline passes (then raise). With
+        ``allow_bytes`` the deadline is :meth:`bulk_deadline` of that many bytes (a peer is
+        still doing bulk I/O, e.g. writing its file), polled without spinning."""
+        self.waitall([req], phase, step, nbytes=allow_bytes, spin=False)
 
     def waitall(self, reqs: list[MPI.Request], phase: str, step: int | None, *,
-                spin: bool = False, nbytes: int | None = None) -> None:
+                spin: bool | None = None, nbytes: int | None = None) -> None:
         """Poll ``reqs`` until all complete or the deadline passes (then raise).
 
         The deadline is ``FTKIT_TIMEOUT``, or :meth:`bulk_deadline` of ``nbytes`` for a bulk
         transfer. Non-blocking MPI operations progress only inside MPI calls, so bulk
-        transfers (``spin=True`` or ``nbytes`` given) poll back to back, yielding the CPU in
-        between; small control messages back off to millisecond sleeps. On a timeout the
-        requests are left as they are: see :meth:`waitall_bulk` for transfers."""
+        transfers (``spin=True``; by default when ``nbytes`` is given) poll back to back,
+        yielding the CPU in between; small control messages (and ``spin=False``: a long wait
+        for another rank's I/O) back off to millisecond sleeps. On a timeout the requests are left as they are:
+        see :meth:`waitall_bulk` for transfers."""
         limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
-        spin = spin or nbytes is not None
+        spin = nbytes is not None if spin is None else spin
         deadline = time.monotonic() + limit
         pause = 0.0
         while reqs and not MPI.Request.Testall(reqs):
@@ -191,14 +195,15 @@ class DistComm:
         self.wait(self.comm.Ibarrier(), phase, step)
         _counted(0)
 
-    def allreduce_max(self, values: Sequence[int], phase: str, step: int | None = None
-                      ) -> list[int]:
+    def allreduce_max(self, values: Sequence[int], phase: str, step: int | None = None, *,
+                      allow_bytes: int | None = None) -> list[int]:
         """Element-wise maximum of a fixed-size vector of integers over all ranks (one
-        ``Iallreduce``: O(log P) rounds, O(1) bytes). All ranks call with the same length."""
+        ``Iallreduce``: O(log P) rounds, O(1) bytes). All ranks call with the same length.
+        ``allow_bytes``: see :meth:`wait`."""
         send = np.asarray(values, dtype=np.int64)
         recv = np.empty_like(send)
         self.wait(self.comm.Iallreduce([send, MPI.INT64_T], [recv, MPI.INT64_T], op=MPI.MAX),
-                  phase, step)
+                  phase, step, allow_bytes=allow_bytes)
         _counted(recv.nbytes)
         return [int(v) for v in recv]
 
@@ -256,11 +261,14 @@ class DistComm:
         _counted(len(size) + len(buf), rounds=2)
         return json.loads(buf)
 
-    def agree(self, failure: str | None, phase: str, step: int) -> dict[int, str]:
+    def agree(self, failure: str | None, phase: str, step: int, *,
+              allow_bytes: int | None = None) -> dict[int, str]:
         """Exchange local failures; every rank returns the same ``{rank: failure}``. All call.
         One fixed-size :meth:`allreduce_max` of a failure flag; the failures themselves are
-        gathered (:meth:`allgather`) only when some rank failed."""
-        if not self.allreduce_max([failure is not None], phase, step)[0]:
+        gathered (:meth:`allgather`) only when some rank failed. ``allow_bytes``: the bulk
+        I/O the slowest rank may still be doing before it gets here (see :meth:`wait`)."""
+        if not self.allreduce_max([failure is not None], phase, step,
+                                  allow_bytes=allow_bytes)[0]:
             return {}
         got = self.allgather(failure, phase, step)
         return {r: f for r, f in enumerate(got) if f is not None}

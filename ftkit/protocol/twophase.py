@@ -51,6 +51,7 @@ class Outcome:
     failures: dict[int, str]
     seconds: float
     stop: bool = False       # the coordinator saw a stop request (time limit near)
+    flush_busy: bool = False  # some rank's previous PFS flush was still running at the vote
 
 
 class ProtocolMismatch(CheckpointError):
@@ -67,10 +68,12 @@ class TwoPhase:
     def __init__(self, dc: DistComm, levels: dict[str, Level], faults: Faults,
                  before_write: Callable[[int], None], emit: Callable[..., None],
                  stop_requested: Callable[[], bool] = lambda: False,
-                 identity: dict[str, Any] | None = None) -> None:
+                 identity: dict[str, Any] | None = None,
+                 flush_busy: Callable[[], bool] = lambda: False) -> None:
         self.dc = dc
         self.identity = identity or {}
         self.stop_requested = stop_requested   # polled by the coordinator in ``decide``
+        self.flush_busy = flush_busy           # polled by every rank for its vote
         self.levels = levels
         self.faults = faults
         self.before_write = before_write
@@ -89,7 +92,7 @@ class TwoPhase:
             self.faults.fire("vote", step)
         except Exception as exc:  # noqa: BLE001 - a failing voter votes no
             failure = failure or describe(exc)
-        votes = self._votes(step, failure)
+        votes, busy = self._votes(step, failure)
         decision = self._decide(step, votes, snap.levels) if votes is not None else None
         if decision is not None:
             self.faults.fire("announce", step)
@@ -103,23 +106,26 @@ class TwoPhase:
         late_failures = self.dc.agree(late, "commit", step)
         failures = {int(r): f for r, f in decision["failures"].items()} | late_failures
         out = Outcome(step, decision["commit"], failures, time.monotonic() - t0,
-                      stop=bool(decision.get("stop")))
+                      stop=bool(decision.get("stop")), flush_busy=busy)
         if self.dc.rank == COORDINATOR:
             self.emit("commit" if out.committed else "abort", step=step,
                       seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
         return out
 
-    def _votes(self, step: int, failure: str | None) -> list[dict[str, Any]] | None:
-        """Every rank's vote, at the coordinator (None elsewhere). One fixed-size allreduce
-        says whether any rank votes no or runs another step; only then are the votes
-        themselves gathered. All ranks call."""
-        no, low, high = self.dc.allreduce_max([failure is not None, -step, step], "vote", step)
+    def _votes(self, step: int, failure: str | None
+               ) -> tuple[list[dict[str, Any]] | None, bool]:
+        """(every rank's vote at the coordinator, None elsewhere; whether any rank's PFS
+        flush is still running — the same on every rank). One fixed-size allreduce says
+        whether any rank votes no, runs another step or is still flushing; only when one
+        votes no or runs another step are the votes themselves gathered. All ranks call."""
+        no, low, high, busy = self.dc.allreduce_max(
+            [failure is not None, -step, step, self.flush_busy()], "vote", step)
         if no or -low != high:
             return self.dc.gather({"step": step, "failure": failure}, "vote", step,
-                                  root=COORDINATOR)
+                                  root=COORDINATOR), bool(busy)
         if self.dc.rank != COORDINATOR:
-            return None
-        return [{"step": step, "failure": None}] * self.dc.size
+            return None, bool(busy)
+        return [{"step": step, "failure": None}] * self.dc.size, bool(busy)
 
     def _announce(self, step: int, decision: dict[str, Any] | None) -> dict[str, Any]:
         """Broadcast the coordinator's decision: one fixed-size message (step, commit, stop,

@@ -71,12 +71,16 @@ def tree_digests(root: Path) -> dict[str, str]:
 
 
 def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
-    """Environment for a job whose directories live under ``tmp``."""
+    """Environment for a job whose directories live under ``tmp``. Flushes wait for each
+    other (``FTKIT_PFS_BACKPRESSURE=wait``) unless a test says otherwise: the toy's steps
+    take a few ms and a flush ~0.1 s, so the default ``delay`` would make which steps reach
+    the PFS depend on timing, and these tests assert exact PFS steps (the ``delay`` policy
+    is tested where a held flush makes it deterministic: tests/mpi/test_mpi_backpressure.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTKIT_")}
     env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
                 "FTKIT_JOB": "e2e", "FTKIT_LOCAL_DIR": str(tmp / "local"),
                 "FTKIT_PFS_DIR": str(tmp / "pfs"), "FTKIT_LEVELS": "local:1",
-                "FTKIT_TIMEOUT": "30"})
+                "FTKIT_TIMEOUT": "30", "FTKIT_PFS_BACKPRESSURE": "wait"})
     env.update(ftkit_env)
     return env
 

@@ -136,7 +136,8 @@ def test_inspect_json_matches_the_files(toy_job: Path,
             for key in ("world", "dp", "tp", "pp", "nodes", "job", "format"):
                 assert s[key] == attrs[key], key
             assert (s["world"], s["dp"], s["tp"], s["pp"]) == (WORLD, WORLD, 1, 1)
-            assert s["files"] == ["node-0.h5", "node-1.h5"] and s["problems"] == []
+            assert s["files"] == ["node-0.h5", "node-1.h5"] + [
+                f"rank-{r}.h5" for r in range(WORLD)] and s["problems"] == []
             if s["step"] != chosen:
                 assert s["ranks"] is None
                 continue
@@ -147,8 +148,8 @@ def test_inspect_json_matches_the_files(toy_job: Path,
                 listed = {t["path"]: {k: t[k] for k in ("dtype", "shape", "nbytes", "checksum")}
                           for t in s["ranks"][str(rank)]}
                 assert listed == expected, rank
-                node = f"node-{rank // 2}.h5"
-                assert {Path(t["file"]).name for t in s["ranks"][str(rank)]} == {node}
+                own = f"rank-{rank}.h5"                 # every rank wrote its own file
+                assert {Path(t["file"]).name for t in s["ranks"][str(rank)]} == {own}
             assert s["ranks"]["0"][0]["path"] == "model/0.weight"   # tree order
             assert s["ranks"]["0"][0]["shape"] == [64, 16]
 
@@ -227,8 +228,8 @@ def test_verify_intact(toy_job: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 @pytest.mark.parametrize("node,dataset", [
-    ("node-1.h5", "/rank/3/model/0.weight"),
-    ("node-0.h5", "/rank/0/rng/numpy/keys"),
+    ("rank-3.h5", "/rank/3/model/0.weight"),
+    ("rank-0.h5", "/rank/0/rng/numpy/keys"),
 ])
 def test_verify_finds_a_flipped_byte(toy_job: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str],
@@ -258,15 +259,15 @@ def test_verify_missing_node_file_and_dataset(toy_job: Path, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     job = _copy(toy_job, tmp_path)
     (job / "step-3" / "node-1.h5").unlink()
-    with h5py.File(job / "step-6" / "node-0.h5", "r+") as h5:
+    with h5py.File(job / "step-6" / "node-0.h5", "r+") as h5:   # through the node file's link
         del h5["rank/1/model/0.bias"]
     rc, doc = _json(capsys, "verify", str(job), "--json")
     assert rc == 1
     bad = {s["step"]: s["bad"] for s in doc["steps"]}
-    node1, node0 = job / "step-3" / "node-1.h5", job / "step-6" / "node-0.h5"
+    node1, rank1 = job / "step-3" / "node-1.h5", job / "step-6" / "rank-1.h5"
     assert [b["where"] for b in bad[3]] == [str(node1)]         # ranks 2 and 3: one problem
     assert "No such file or directory" in bad[3][0]["why"]
-    assert [b["where"] for b in bad[6]] == [str(node0)]         # caught before h5py opens it
+    assert [b["where"] for b in bad[6]] == [str(rank1)]         # caught before h5py opens it
     assert "COMMITTED recorded" in bad[6][0]["why"], bad[6]
     rc, out, _ = _run(capsys, "inspect", str(job), "--step", "3")
     assert rc == 0 and f"{node1}: cannot read: No such file or directory" in out, out

@@ -3,7 +3,7 @@ a restart (docs/protocol.md, "A failed flush is a warning"). Real small tmpfs mo
 only; skipped with the reason elsewhere), 4 ranks on 2 virtual nodes, the toy example.
 
 Before the fix, a real ENOSPC inside libhdf5 surfaced later from an h5py destructor on the
-main thread and aborted the job on every relaunch, leaving ``.node-*.h5.tmp`` files behind.
+main thread and aborted the job on every relaunch, leaving ``.node-*.h5.tmp`` temp files behind.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from tests.e2e.jobs import FTKIT, REPO, Result, run_example, run_toy, tree_diges
 from tests.mounts import fill, free_bytes, hidden, tmpfs
 
 LEVELS = "local:1,partner:1,pfs:2"
-STEP_BYTES = 268 << 10          # one toy step on the PFS: two node files, index, COMMITTED
+STEP_BYTES = 304 << 10          # one toy step on the PFS: four rank files, two node files
+                                # (links only), index, COMMITTED (as tmpfs counts them)
 _FAILED = re.compile(r"ftkit\[rank 0@\S+\] WARNING \S+: PFS flush of step (\d+) failed; (.*)")
 
 

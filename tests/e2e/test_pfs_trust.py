@@ -1,7 +1,7 @@
 """The PFS level never trusts an unchecked byte, end to end (real ``ftkit run`` jobs, 4 ranks on
 2 virtual nodes): a corrupt node-local shard is never flushed; a PFS step whose metadata was
 changed is skipped by restore; writing a step number again removes its old COMMITTED record
-before any node file is rewritten, so a crash never mixes two timelines."""
+before any file of it is rewritten, so a crash never mixes two timelines."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ def test_corrupt_local_shard_is_never_copied_to_the_pfs(
     """Rank 1's committed local shard of step 6 has a flipped byte when step 6 is flushed: the
     flush fails on every rank (no COMMITTED; the incomplete step directory is removed), which is
     a warning and a ``flush-failed`` event, not an abort: training finishes on the node-local
-    levels with the failure-free result. Before: the flipped bytes were copied into node-0.h5
+    levels with the failure-free result. Before: the flipped bytes were copied into the PFS
     under the old checksum, step 6 was committed on the PFS, and `ftkit verify` failed on it."""
     res = run_toy(tmp_path, steps=6, max_restarts=1, FTKIT_LEVELS=LEVELS,
                   FTKIT_FAULTS="corrupt:rank=1:step=6:level=local")
@@ -56,7 +56,7 @@ def test_damaged_pfs_step_skipped_and_rewritten_step_retracts_commit_first(
         capsys: pytest.CaptureFixture[str]) -> None:
     """1. A job commits PFS steps 3 and 6 (COMMITTED carries run and nodes). 2. Rank 0's tree
     in step 6 is edited (the loader position) and every local directory is lost: restore
-    skips step 6 (restore-skip: node-0.h5 no longer matches the digest in COMMITTED, caught
+    skips step 6 (restore-skip: rank-0.h5 no longer matches the digest in COMMITTED, caught
     before libhdf5 opens it) and loads step 3 — before: it loaded the
     edited state and started at 6. 3. Training saves step 6 again; its flush is killed: the
     old COMMITTED of step 6 is already gone — before: it stayed, over node files being
@@ -69,7 +69,7 @@ def test_damaged_pfs_step_skipped_and_rewritten_step_retracts_commit_first(
     with h5py.File(step6 / "ftkit.h5", "r") as h5:
         assert h5.attrs["format"] == "ftkit-hdf5-2" and "run" in h5.attrs
         assert "meta_checksum" in h5.attrs
-    _tamper_tree(step6 / "node-0.h5", 0)
+    _tamper_tree(step6 / "node-0.h5", 0)        # through the node file's link: rank-0.h5
     shutil.rmtree(first.local)
 
     second = run_toy(tmp_path, steps=6, max_restarts=0, FTKIT_LEVELS=LEVELS,
@@ -81,7 +81,7 @@ def test_damaged_pfs_step_skipped_and_rewritten_step_retracts_commit_first(
     assert [e["step"] for e in skips] == [6], skips
     assert "metadata digest mismatch" in skips[0]["reason"] or \
         "COMMITTED recorded" in skips[0]["reason"], skips
-    assert "node-0.h5" in skips[0]["reason"] and "\n" not in skips[0]["reason"]
+    assert "rank-0.h5" in skips[0]["reason"] and "\n" not in skips[0]["reason"]
     assert step6.is_dir() and not (step6 / "COMMITTED").exists()
 
     third = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=LEVELS)

@@ -10,7 +10,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from ftkit.comm.dist import DistComm
+from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
 from ftkit.errors import CheckpointError, ProtocolTimeout
 
 from .mpi_helpers import RANK, SIZE, WORLD, allgather, same_on_all_ranks
@@ -91,6 +91,25 @@ def test_run_failures_on_several_ranks(dc):
     with pytest.raises(CheckpointError) as info:
         dc.run(work, "commit", 9)
     assert info.value.failures == {r: f"OSError: no space (rank {r})" for r in (1, 2, 3)}
+
+
+def test_agree_allows_for_a_slow_writers_bytes():
+    """Rank 3 is still writing its file (a 1.5 s sleep stands for the I/O) when the others
+    reach the agreement: with ``allow_bytes`` their deadline is FTKIT_TIMEOUT (0.5 s here)
+    plus those bytes at MIN_BULK_BANDWIDTH, so they wait for it instead of timing out."""
+    dc = DistComm(WORLD, timeout=0.5)
+    allow = int(MIN_BULK_BANDWIDTH * 5)                    # +5 s
+    assert dc.bulk_deadline(allow) == pytest.approx(5.5)
+    if RANK == 3:
+        time.sleep(1.5)
+    t0 = time.monotonic()
+    got = dc.agree("full" if RANK == 3 else None, "flush", 9, allow_bytes=allow)
+    waited = time.monotonic() - t0
+    dc.free()
+    assert got == {3: "full"}
+    if RANK != 3:
+        assert waited > 0.5, waited                        # past the control timeout
+    same_on_all_ranks(got, "the agreed failures")
 
 
 # ------------------------------------------------------------------- deadlines (last)

@@ -17,7 +17,7 @@ from .test_mpi_pfs_degrade import committed_pfs_steps
 def test_only_the_newest_pfs_steps_stay(ftkit_env, async_) -> None:
     with topology() as topo:
         ckpt = Checkpointer(topo, Config.load(async_=async_, levels="local:1,pfs:1",
-                                              pfs_keep=2))
+                                              pfs_keep=2, pfs_backpressure="wait"))
         for step in range(1, 6):
             ckpt.save(step, small_state(RANK, step))
         ckpt.close()

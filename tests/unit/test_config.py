@@ -329,6 +329,14 @@ def test_start_invalid_names_key_and_valid_values(raw: str) -> None:
     assert "resume" in str(info.value) and "fresh" in str(info.value)
 
 
+@pytest.mark.parametrize("raw, want", [(None, "delay"), ("wait", "wait"), (" Delay ", "delay")])
+def test_pfs_backpressure(raw: str | None, want: str) -> None:
+    env = {} if raw is None else {"FTKIT_PFS_BACKPRESSURE": raw}
+    assert Config.load(env=env).pfs_backpressure == want
+    with pytest.raises(ConfigError, match="FTKIT_PFS_BACKPRESSURE: 'block'; valid: delay, wait"):
+        Config.load(env={"FTKIT_PFS_BACKPRESSURE": "block"})
+
+
 def test_fatal_dir_is_a_launcher_set_variable() -> None:
     """``ftkit run`` sets FTKIT_FATAL_DIR for the ranks; Config must not reject it."""
     env = {"FTKIT_FATAL_DIR": "/tmp/x/attempt-0.fatal", "FTKIT_DONE_FILE": "/x",

@@ -81,15 +81,18 @@ class PfsLevel:
         the incomplete step directory (a full PFS gets its space back, no temp file stays)."""
         t0 = time.monotonic()
 
-        def prepare() -> None:       # everything that can fail locally, before any exchange
+        def prepare() -> int:        # everything that can fail locally, before any exchange
             self.faults.fire("flush", step)
             if self.topo.rank == 0:
                 self._prepare(step)
-            why = self.local.file_problem(self.local.shard_path(step))
+            path = self.local.shard_path(step)
+            why = self.local.file_problem(path)
             if why is not None:
-                raise FileNotFoundError(f"{self.local.shard_path(step)}: {why}")
-        self._agreed(prepare, step)
-        written = self._agreed(lambda: self._write_files(step), step)
+                raise FileNotFoundError(f"{path}: {why}")
+            return path.stat().st_size
+        size = self._agreed(prepare, step) or 0
+        written = self._agreed(lambda: self._write_files(step), step,
+                               allow_bytes=self._write_allowance(size, step))
         digests = self.dc.gather(written, "flush", step)
         self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
         seconds = time.monotonic() - t0
@@ -97,9 +100,20 @@ class PfsLevel:
             self.pruned = prune_steps(self.config.job_pfs_dir, step, self.config.pfs_keep)
         return seconds
 
-    def _agreed(self, fn: Callable[[], T], step: int) -> T | None:
+    def _write_allowance(self, size: int, step: int) -> int:
+        """Bytes the slowest node may still be writing when a rank that is done waits for
+        the agreement: the largest shard times the most ranks on one node (they share the
+        node's link to the PFS). The wait's deadline grows with it (``DistComm.bulk_deadline``),
+        so a large state on a slow file system is not taken for a hung rank. All ranks call."""
+        biggest = self.dc.allreduce_max([size], "flush", step)[0]
+        per_node = max(len(self.topo.ranks_on(node)) for node in self.topo.nodes)
+        return biggest * per_node
+
+    def _agreed(self, fn: Callable[[], T], step: int, *,
+                allow_bytes: int | None = None) -> T | None:
         """Run ``fn`` on this rank; all ranks agree on the outcome and raise the same
-        CheckpointError when any failed (rank 0 discards the step's files first)."""
+        CheckpointError when any failed (rank 0 discards the step's files first).
+        ``allow_bytes``: the agreement waits for that much bulk I/O (``DistComm.agree``)."""
         failure, result = None, None
         try:
             result = fn()
@@ -108,7 +122,7 @@ class PfsLevel:
         except Exception as exc:  # noqa: BLE001 - agreed below
             failure = f"{type(exc).__name__}: {exc}"
             log.debug("rank %d: flush of step %d failed: %s", self.topo.rank, step, failure)
-        failures = self.dc.agree(failure, "flush", step)
+        failures = self.dc.agree(failure, "flush", step, allow_bytes=allow_bytes)
         if failures:
             if self.topo.rank == 0:
                 self._discard(step)
