@@ -17,14 +17,14 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ftkit.capture.flatten import TensorLeaf, leaf_from_bytes, unflatten
+from ftkit.capture.flatten import TensorLeaf, flatten, leaf_from_bytes, unflatten
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
 from ftkit.errors import CheckpointError
 from ftkit.recovery.plan import one_line
 from ftkit.recovery.restore import apply_agreed
 from ftkit.storage.pfs import h5read
 from ftkit.storage.pfs.h5read import StepReader
-from ftkit.storage.pfs.level import PfsLevel
+from ftkit.storage.pfs.level import PfsLevel, io_allowance
 
 log = logging.getLogger(__name__)
 _RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of ftkit.RNGState
@@ -166,6 +166,15 @@ def read_with_deadline(pfs: PfsLevel, step: int, timeout: float) -> Any:
             continue
 
 
+def _state_bytes(state: Any) -> int:
+    """The tensor bytes of ``state`` (what a rank reads back from the PFS); 0 when it cannot
+    be flattened (the restore itself then says why). Local."""
+    try:
+        return sum(leaf.nbytes for leaf in flatten(state)[1])
+    except Exception:  # noqa: BLE001 - only a deadline estimate
+        return 0
+
+
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
                      emit: Callable[..., None], newer_than: int = 0,
                      skip: set[int] | frozenset[int] = frozenset()
@@ -180,6 +189,8 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
                           if dc.rank == 0 else None, "restore-discover")
     skipped: dict[int, str] = {}
     stuck: str | None = None
+    allow = io_allowance(dc, pfs.topo, _state_bytes(state), "restore-discover", None) \
+        if candidates else None
     for step in candidates:
         failure = None
         loaded: Any = None
@@ -193,7 +204,7 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
                 stuck = f"step {step}"
             log.warning("rank %d: PFS step %d (%s) is unusable: %s", dc.rank, step,
                         pfs.step_dir(step), failure)
-        failures = dc.agree(failure, "restore-discover", step)
+        failures = dc.agree(failure, "restore-discover", step, allow_bytes=allow)
         if failures:
             reason = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
             if dc.rank == 0:

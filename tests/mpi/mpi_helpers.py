@@ -269,6 +269,17 @@ def small_state(rank: int, step: int) -> dict[str, Any]:
             "meta": {"step": step, "rank": rank, "lr": 0.5 ** step, "tag": ("s", step)}}
 
 
+def assert_restores(topo: Topology, step: int, levels: str) -> None:
+    """A fresh Checkpointer with ``levels`` restores :func:`small_state` of ``step`` on every
+    rank. All ranks call."""
+    fresh = ftkit.Checkpointer(topo, ftkit.Config.load(levels=levels))
+    state = small_state(RANK, 0)
+    got = fresh.restore(state)
+    fresh.close()
+    assert allgather(got) == [step] * WORLD.size
+    assert diff(canon(small_state(RANK, step)), canon(state)) == []
+
+
 def catch(fn: Any, *args: Any, **kwargs: Any) -> Exception | None:
     """Run ``fn``; return the exception it raised (None if none), so that a rank whose
     outcome differs does not leave the others hanging in the next collective."""

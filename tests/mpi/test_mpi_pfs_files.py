@@ -12,7 +12,7 @@ from ftkit import Checkpointer, Config
 from ftkit.storage.pfs import hdf5
 from ftkit.storage.pfs.h5read import StepReader
 
-from .mpi_helpers import RANK, WORLD, allgather, canon, diff, small_state, topology
+from .mpi_helpers import RANK, WORLD, assert_restores, small_state, topology
 
 
 def test_every_rank_writes_its_own_file(ftkit_env) -> None:
@@ -40,9 +40,4 @@ def test_every_rank_writes_its_own_file(ftkit_env) -> None:
         if topo.is_node_leader:
             shutil.rmtree(ftkit_env.node_dir(topo.node))     # restore from the PFS
         WORLD.Barrier()
-        fresh = Checkpointer(topo, Config.load(levels="local:1,pfs:1"))
-        state = small_state(RANK, 0)
-        got = fresh.restore(state)
-        fresh.close()
-    assert allgather(got) == [3] * 4
-    assert diff(canon(small_state(RANK, 3)), canon(state)) == []
+        assert_restores(topo, 3, "local:1,pfs:1")

@@ -288,8 +288,13 @@ class _OneRank:
     def bcast(self, obj: Any, phase: str, step: int | None = None, root: int = 0) -> Any:
         return json.loads(json.dumps(obj))
 
-    def agree(self, failure: str | None, phase: str, step: int) -> dict[int, str]:
+    def agree(self, failure: str | None, phase: str, step: int, *,
+              allow_bytes: int | None = None) -> dict[int, str]:
         return {0: failure} if failure is not None else {}
+
+    def allreduce_max(self, values: list[int], phase: str, step: int | None = None
+                      ) -> list[int]:
+        return list(values)
 
     def allgather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
         return [json.loads(json.dumps(obj))]
@@ -299,7 +304,8 @@ class _OneRank:
 
 
 def _topo(world: int, rank: int = 0, dp_idx: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(world=world, rank=rank, tp=1, pp=1,
+    return SimpleNamespace(world=world, rank=rank, tp=1, pp=1, nodes=[0],
+                           ranks_on=lambda node: list(range(world)),
                            coords=SimpleNamespace(dp=dp_idx, tp=0, pp=0))
 
 

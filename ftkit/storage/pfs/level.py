@@ -92,22 +92,14 @@ class PfsLevel:
             return path.stat().st_size
         size = self._agreed(prepare, step) or 0
         written = self._agreed(lambda: self._write_files(step), step,
-                               allow_bytes=self._write_allowance(size, step))
+                               allow_bytes=io_allowance(self.dc, self.topo, size, "flush",
+                                                        step))
         digests = self.dc.gather(written, "flush", step)
         self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
         seconds = time.monotonic() - t0
         if self.topo.rank == 0:
             self.pruned = prune_steps(self.config.job_pfs_dir, step, self.config.pfs_keep)
         return seconds
-
-    def _write_allowance(self, size: int, step: int) -> int:
-        """Bytes the slowest node may still be writing when a rank that is done waits for
-        the agreement: the largest shard times the most ranks on one node (they share the
-        node's link to the PFS). The wait's deadline grows with it (``DistComm.bulk_deadline``),
-        so a large state on a slow file system is not taken for a hung rank. All ranks call."""
-        biggest = self.dc.allreduce_max([size], "flush", step)[0]
-        per_node = max(len(self.topo.ranks_on(node)) for node in self.topo.nodes)
-        return biggest * per_node
 
     def _agreed(self, fn: Callable[[], T], step: int, *,
                 allow_bytes: int | None = None) -> T | None:
@@ -200,6 +192,17 @@ class PfsLevel:
                                                 "job": self.config.job,
                                                 "nodes": [int(n) for n in t.rank_node],
                                                 "files": files})
+
+
+def io_allowance(dc: DistComm, topo: Topology, nbytes: int, phase: str, step: int | None
+                 ) -> int:
+    """Bytes the slowest node may still be moving to or from the PFS when a rank that is
+    done waits for an agreement: the largest ``nbytes`` of any rank times the most ranks on
+    one node (they share the node's link to the PFS). An agreement given it
+    (``DistComm.agree(allow_bytes=...)``) waits that much longer, so a large state on a slow
+    file system is not taken for a hung rank. All ranks of ``dc`` call."""
+    biggest = dc.allreduce_max([nbytes], phase, step)[0]
+    return biggest * max(len(topo.ranks_on(node)) for node in topo.nodes)
 
 
 def _version() -> str:
