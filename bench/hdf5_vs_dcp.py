@@ -12,8 +12,9 @@ names on different ranks as replicas and write them once.
 Measured, best of --repeat, all ranks between two barriers, files on the same file system
 (--pfs-root), every write fsynced:
 
-* ``ftkit_hdf5_save``: ``PfsLevel.flush`` (node leader gathers its ranks' node-local shards
-  over MPI, writes ``node-<id>.h5``, fsync, index, COMMITTED), timed inside a real
+* ``ftkit_hdf5_save``: ``PfsLevel.flush`` (every rank writes ``rank-<r>.h5`` from its
+  node-local shard, all at once; node leaders a ``node-<id>.h5`` of links; fsync, index,
+  COMMITTED), timed inside a real
   ``Checkpointer.save`` with ``levels=local:1,pfs:1`` and ``async_=False``;
   ``ftkit_save_total`` is the whole ``save``: the time until the step is durable on the PFS
   (capture + node-local + commit + flush);
@@ -37,7 +38,8 @@ Measured, best of --repeat, all ranks between two barriers, files on the same fi
 dropped (fsync, then ``posix_fadvise(POSIX_FADV_DONTNEED)``: no privilege needed) by one rank
 per host, so every load reads the disk (a file system that keeps its pages anyway, e.g. tmpfs,
 says so in ``cold_reads``). ``leader_flush_private_mib``: the most private memory any rank
-held above its level before, during the flushes (the node leader receives its ranks' shards).
+held above its level before, during the flushes (a node leader used to receive its ranks'
+shards; now every rank writes its own).
 Throughput is bytes of state summed over all ranks / seconds. Prints ``name: value (ratio to
 X = r)`` lines, writes <name>.json (default hdf5_vs_dcp.json).
 """
