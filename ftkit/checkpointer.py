@@ -15,7 +15,6 @@ Protocols run one after another on the background thread, so versions never inte
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import logging
 import os
@@ -41,6 +40,7 @@ from ftkit.errors import (
     ProtocolTimeout,
 )
 from ftkit.events import append_event, mark_progress
+from ftkit.flushes import Flushes
 from ftkit.launch.fatal import record_death, record_fatal
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
@@ -108,7 +108,7 @@ class Checkpointer:
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
                               before_write=self._retain_for, emit=self._emit,
                               stop_requested=_stop_file_exists, identity=self.identity,
-                              flush_busy=self._flush_busy)
+                              flush_busy=lambda: self.flushes.busy())
         self.stop_requested = False       # set on every rank by a committed step's decision
         self.last_committed: int | None = None
         self.level_last: dict[str, int] = {}     # newest committed step of every level
@@ -118,13 +118,9 @@ class Checkpointer:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-ckpt") if self._async \
             else None
         self._pending: cf.Future[None] | None = None       # protocol of the newest snapshot
-        self._flusher = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-flush") \
-            if self._async and self.pfs is not None else None
-        self._flushes: collections.deque[cf.Future[None]] = collections.deque()
-        self._flushing: set[int] = set()         # steps being flushed: retention keeps them
-        self._delayed: int | None = None         # committed step whose flush waits its turn
-        self.pfs_failures: dict[int, str] = {}   # step -> why its PFS flush failed (agreed)
-        self.last_flushed: int | None = None     # newest step flushed to / restored from PFS
+        self.flushes = Flushes(self.pfs, rank=topo.rank, emit=self._emit, abort=self._abort,
+                               patience=lambda: self._patience, background=self._async,
+                               wait_mode=config.pfs_backpressure == "wait")
         self._staging: Staging | None = None
         self._guard = OptimizerGuard(self.wait_staged)
         self._closed = False
@@ -255,15 +251,17 @@ class Checkpointer:
         checkpoint's CheckpointError; a failed PFS flush is not raised (it is in
         ``pfs_failures``). All ranks call at the same point."""
         self._settle()
-        self._drain_flushes()
-        if self._delayed is not None:          # its turn now: every flush has finished
-            step, self._delayed = self._delayed, None
-            self._start_flush(step)
-            self._drain_flushes()
+        self.flushes.finish(self._result)
 
-    def _drain_flushes(self) -> None:
-        while self._flushes:
-            self._result(self._flushes.popleft(), "PFS flush")
+    @property
+    def pfs_failures(self) -> dict[int, str]:
+        """``{step: reason}`` of every failed PFS flush of this process (agreed)."""
+        return self.flushes.failures
+
+    @property
+    def last_flushed(self) -> int | None:
+        """The newest step this process flushed to the PFS or restored from it."""
+        return self.flushes.last_flushed
 
     def close(self, *, stopped: bool = False) -> None:
         """Finish background work, then mark the job complete once every rank got here
@@ -278,10 +276,10 @@ class Checkpointer:
         finally:
             self._guard.remove()
             self.stager.close()
-            for pool in (self._pool, self._flusher):
-                if pool is not None:
-                    pool.shutdown(wait=True)
-        self._report_unflushed()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.flushes.shutdown()
+        self.flushes.report_unflushed(self.last_committed)
         tidy = all(self.dc.allgather(self._may_tidy(stopped), "close"))
         done = os.environ.get("FTKIT_DONE_FILE")
         if done and self.topo.rank == 0:
@@ -333,8 +331,7 @@ class Checkpointer:
     def _settle(self) -> None:
         """Wait for the newest snapshot's commit (its buffers are free again then), raising
         its CheckpointError. Local."""
-        while self._flushes and self._flushes[0].done():
-            self._flushes.popleft()
+        self.flushes.forget_done()
         pending, self._pending = self._pending, None
         if pending is not None:
             self._result(pending, "background checkpoint")
@@ -410,95 +407,7 @@ class Checkpointer:
             self.level_last.update({name: snap.step for name in snap.levels})
         raise_if_failed(out)
         if self.pfs is not None:
-            self._schedule_flush(snap.step if "pfs" in snap.levels else None, out.flush_busy)
-
-    def _flush_busy(self) -> bool:
-        """This rank's previous PFS flush is still running (polled for the vote; never with
-        ``FTKIT_PFS_BACKPRESSURE=wait``, where the next flush waits for it). Local."""
-        if self.config.pfs_backpressure == "wait":
-            return False
-        return any(not f.done() for f in self._flushes)
-
-    def _schedule_flush(self, due: int | None, busy: bool) -> None:
-        """Back-pressure, after a commit (checkpoint thread). ``due``: the committed step
-        when it is due at ``pfs``; ``busy``: the vote found a flush still running on some
-        rank (the same on every rank, so every rank decides the same). Training never waits
-        for a flush: a due step whose flush would have to wait is *delayed* (kept
-        node-local) and flushed after the first commit that finds every flush finished, or
-        at :meth:`wait`; a newer due step *skips* the one still delayed. Events
-        ``flush-delayed`` / ``flush-skipped``."""
-        if due is not None and self._delayed is not None:
-            self._emit("flush-skipped", step=self._delayed, superseded_by=due)
-            self._flushing.discard(self._delayed)
-            self._delayed = None
-        if busy:
-            if due is not None:
-                self._delayed = due
-                self._flushing.add(due)        # retention keeps it until it is flushed
-                self._emit("flush-delayed", step=due,
-                           reason="the previous PFS flush is still running")
-            return
-        step = due if due is not None else self._delayed
-        self._delayed = None
-        if step is not None:
-            self._start_flush(step)
-
-    def _start_flush(self, step: int) -> None:
-        """Flush committed ``step`` to the PFS: on the flush thread when async, else right
-        here. The previous flush has finished (:meth:`_schedule_flush`), or, with
-        ``FTKIT_PFS_BACKPRESSURE=wait``, the checkpoint thread waits for it here."""
-        if self._flusher is None:
-            self._flush(step)
-            return
-        for older in list(self._flushes):
-            older.exception(timeout=self._patience)
-        self._flushing.add(step)
-        self._flushes.append(self._flusher.submit(self._flush, step))
-
-    def _flush(self, step: int) -> None:
-        """Flush thread (or checkpoint thread when sync). ``PfsLevel.flush`` agrees its
-        outcome, so every rank sees the same failure; a failure degrades the job
-        (:meth:`_flush_failed`), it is never raised. A ProtocolTimeout (a rank lost or hung)
-        is failure detection, not a PFS failure: it aborts the world."""
-        assert self.pfs is not None
-        try:
-            seconds = self.pfs.flush(step)
-        except ProtocolTimeout as exc:
-            self._abort(str(exc))
-            raise
-        except Exception as exc:  # noqa: BLE001 - the PFS copy is lost; training goes on
-            self._flush_failed(step, describe(exc))
-            return
-        finally:
-            self._flushing.discard(step)
-        self.last_flushed = step
-        self._emit("flush", step=step, seconds=round(seconds, 6),
-                   dir=str(self.pfs.step_dir(step)), removed=self.pfs.pruned)
-
-    def _flush_failed(self, step: int, reason: str) -> None:
-        """Every rank: keep the agreed ``reason`` in ``pfs_failures`` and log it once (rank
-        0 at WARNING, the others at INFO); rank 0 appends a ``flush-failed`` event. The
-        level stays on: the next step due at ``pfs`` is flushed as usual."""
-        self.pfs_failures[step] = reason
-        log.log(logging.WARNING if self.topo.rank == 0 else logging.INFO,
-                "PFS flush of step %d failed; training continues on the node-local levels "
-                "and the next step due at pfs is flushed as usual: %s", step, reason)
-        self._emit("flush-failed", step=step, level="pfs", reason=reason)
-
-    def _report_unflushed(self) -> None:
-        """Rank 0, at close: an ERROR when the newest PFS flush attempted failed, so the
-        newest committed step is only on the node-local levels."""
-        failed = [s for s in self.pfs_failures
-                  if self.last_flushed is None or s > self.last_flushed]
-        if self.topo.rank != 0 or not failed:
-            return
-        step = max(failed)
-        on_pfs = (f"the newest step on the PFS is {self.last_flushed}"
-                  if self.last_flushed is not None else "no step reached the PFS in this attempt")
-        log.error("committed step %s is only on the node-local levels: the PFS flush of step "
-                  "%d failed (%s); %s. A relaunch on the same nodes resumes from the node-local "
-                  "levels; if those nodes are lost, from the PFS", self.last_committed, step,
-                  self.pfs_failures[step], on_pfs)
+            self.flushes.schedule(snap.step if "pfs" in snap.levels else None, out.flush_busy)
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the
@@ -512,7 +421,7 @@ class Checkpointer:
         """The node-local steps kept while ``step`` is written: it, the newest committed
         step of every level (the newest committed one on this node when this Checkpointer
         has not seen a commit) and the steps being flushed. Local."""
-        keep = {step} | set(self.level_last.values()) | self._flushing
+        keep = {step} | set(self.level_last.values()) | self.flushes.kept
         if self.last_committed is None:
             keep |= {max((s for s in self.local.steps() if self.local.is_committed(s)),
                          default=step)}
@@ -530,7 +439,7 @@ class Checkpointer:
             self.level_last.update({lv: s for lv in found.levels_of[s]})
         if level == "pfs":
             self.level_last["pfs"] = step
-            self.last_flushed = step
+            self.flushes.last_flushed = step
         self.last_committed = step or None
         if step and level == "local" and self.topo.is_node_leader \
                 and not self.local.is_committed(step):

@@ -22,7 +22,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: over (what happens to existing steps is the Checkpointer's business).
 START_MODES = ("resume", "fresh")
 #: FTKIT_PFS_BACKPRESSURE: what a step due at ``pfs`` does while the previous flush runs
-#: (``Checkpointer._schedule_flush``): ``delay`` it (training never waits; a newer due step
+#: (``ftkit.flushes.Flushes.schedule``): ``delay`` it (training never waits; a newer due step
 #: skips a delayed one) or ``wait`` for the previous flush (every due step is flushed).
 BACKPRESSURE_MODES = ("delay", "wait")
 #: ``FTKIT_TIMEOUT`` bounds, seconds: below 1 s a busy node misses control messages; past

@@ -27,7 +27,7 @@ def test_a_running_flush_delays_then_skips_newer_steps(ftkit_env, monkeypatch) -
     monkeypatch.setattr(PfsLevel, "flush", held_flush)
     with topology() as topo:
         ckpt = Checkpointer(topo, Config.load(async_=True, levels="local:1,pfs:1"))
-        real_schedule = ckpt._schedule_flush
+        real_schedule = ckpt.flushes.schedule
         decided = []
 
         def schedule(due: int | None, busy: bool) -> None:
@@ -35,7 +35,7 @@ def test_a_running_flush_delays_then_skips_newer_steps(ftkit_env, monkeypatch) -
             decided.append((due, busy))
             if due == 3:
                 release.set()          # step 3 was decided while step 1's flush was held
-        monkeypatch.setattr(ckpt, "_schedule_flush", schedule)
+        monkeypatch.setattr(ckpt.flushes, "schedule", schedule)
         for step in (1, 2, 3):
             ckpt.save(step, small_state(RANK, step))     # returns with step 1's flush held
         ckpt.wait()
