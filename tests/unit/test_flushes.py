@@ -1,0 +1,131 @@
+"""``ftkit.flushes.Flushes`` with a fake PFS level: back-pressure (flush now, delay, skip),
+flush failures that degrade instead of raising, a lost peer that aborts, and ``wait`` mode.
+(The same policy on 4 real ranks: tests/mpi/test_mpi_backpressure.py.)"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftkit.errors import ProtocolTimeout
+from ftkit.flushes import Flushes
+
+
+class _Pfs:
+    """Records the steps flushed; ``fail``: step -> exception raised instead; ``hold``: step
+    -> event the flush waits for."""
+
+    def __init__(self) -> None:
+        self.flushed: list[int] = []
+        self.fail: dict[int, Exception] = {}
+        self.hold: dict[int, threading.Event] = {}
+        self.pruned: list[int] = []
+
+    def flush(self, step: int) -> float:
+        if step in self.hold:
+            assert self.hold[step].wait(30), f"flush of step {step} never released"
+        if step in self.fail:
+            raise self.fail[step]
+        self.flushed.append(step)
+        return 0.01
+
+    def step_dir(self, step: int) -> Path:
+        return Path(f"/pfs/step-{step}")
+
+
+def _flushes(pfs: _Pfs, *, background: bool = False, wait_mode: bool = False
+             ) -> tuple[Flushes, list[tuple[str, dict[str, Any]]], list[str]]:
+    events: list[tuple[str, dict[str, Any]]] = []
+    aborted: list[str] = []
+    f = Flushes(pfs, rank=0, emit=lambda ev, **kw: events.append((ev, kw)),  # type: ignore[arg-type]
+                abort=aborted.append, patience=lambda: 30.0, background=background,
+                wait_mode=wait_mode)
+    return f, events, aborted
+
+
+def _wait(future: cf.Future[None], what: str) -> None:
+    future.result(timeout=30)
+
+
+def test_due_steps_are_flushed_delayed_skipped_then_flushed_at_finish() -> None:
+    pfs = _Pfs()
+    f, events, _ = _flushes(pfs)
+    f.schedule(2, busy=False)                     # nothing running: flushed now
+    f.schedule(3, busy=False)
+    f.schedule(4, busy=True)                      # a flush runs somewhere: delayed, kept
+    assert (pfs.flushed, f.delayed, f.kept) == ([2, 3], 4, {4})
+    f.schedule(None, busy=True)                   # still running: still delayed
+    f.schedule(6, busy=True)                      # a newer due step skips the delayed one
+    assert (f.delayed, f.kept) == (6, {6})
+    f.schedule(None, busy=False)                  # every flush done: the delayed one's turn
+    assert (pfs.flushed, f.delayed, f.kept) == ([2, 3, 6], None, set())
+    f.schedule(8, busy=True)
+    f.finish(_wait)                               # wait()/close(): a delayed step is flushed
+    assert (pfs.flushed, f.delayed, f.last_flushed) == ([2, 3, 6, 8], None, 8)
+    assert [(ev, kw["step"]) for ev, kw in events] == [
+        ("flush", 2), ("flush", 3), ("flush-delayed", 4), ("flush-skipped", 4),
+        ("flush-delayed", 6), ("flush", 6), ("flush-delayed", 8), ("flush", 8)]
+    assert [kw.get("superseded_by") for ev, kw in events if ev == "flush-skipped"] == [6]
+
+
+def test_a_failed_flush_is_recorded_and_reported_never_raised(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pfs = _Pfs()
+    pfs.fail[4] = OSError(28, "No space left on device")
+    f, events, aborted = _flushes(pfs)
+    f.schedule(2, busy=False)
+    f.schedule(4, busy=False)                     # fails: recorded, not raised
+    assert f.failures == {4: "OSError: [Errno 28] No space left on device"}
+    assert f.last_flushed == 2 and f.kept == set() and not aborted
+    assert [ev for ev, _ in events] == ["flush", "flush-failed"]
+    with caplog.at_level(logging.ERROR, logger="ftkit.checkpointer"):
+        f.report_unflushed(last_committed=5)
+    assert "committed step 5 is only on the node-local levels" in caplog.text
+    assert "the newest step on the PFS is 2" in caplog.text
+
+
+def test_a_lost_peer_during_a_flush_aborts() -> None:
+    pfs = _Pfs()
+    pfs.fail[2] = ProtocolTimeout(2, {1: "phase 'flush' did not complete"})
+    f, _, aborted = _flushes(pfs)
+    with pytest.raises(ProtocolTimeout):
+        f.schedule(2, busy=False)
+    assert len(aborted) == 1 and "flush" in aborted[0]
+
+
+def test_busy_while_a_background_flush_runs_unless_wait_mode() -> None:
+    for wait_mode in (False, True):
+        pfs = _Pfs()
+        pfs.hold[1] = threading.Event()
+        f, _, _ = _flushes(pfs, background=True, wait_mode=wait_mode)
+        f.schedule(1, busy=False)
+        try:
+            assert f.busy() is (not wait_mode)    # wait mode: the vote never says busy
+            assert f.kept == {1}                  # retention keeps the step being flushed
+        finally:
+            pfs.hold[1].set()
+        f.finish(_wait)
+        f.shutdown()
+        assert pfs.flushed == [1] and not f.busy() and f.kept == set()
+
+
+def test_wait_mode_starts_the_next_flush_after_the_previous_one() -> None:
+    """``FTKIT_PFS_BACKPRESSURE=wait``: nothing is delayed or skipped; the caller (the
+    checkpoint thread) waits for the previous flush before it starts the next."""
+    pfs = _Pfs()
+    pfs.hold[1] = threading.Event()
+    f, events, _ = _flushes(pfs, background=True, wait_mode=True)
+    f.schedule(1, busy=f.busy())
+    started = threading.Thread(target=f.schedule, args=(2, f.busy()))
+    started.start()
+    started.join(0.2)
+    assert started.is_alive()                     # waits for the flush of step 1
+    pfs.hold[1].set()
+    started.join(30)
+    f.finish(_wait)
+    f.shutdown()
+    assert pfs.flushed == [1, 2] and [ev for ev, _ in events] == ["flush", "flush"]
