@@ -46,7 +46,8 @@ class Flushes:
     def busy(self) -> bool:
         """This rank's previous flush is still running (polled for the vote; never with
         ``wait_mode``, where the next flush waits for it instead). Local."""
-        return not self._wait_mode and any(not f.done() for f in self._futures)
+        pending = list(self._futures)        # one atomic copy: the training thread pops
+        return not self._wait_mode and any(not f.done() for f in pending)
 
     def schedule(self, due: int | None, busy: bool) -> None:
         """Back-pressure, after a commit (checkpoint thread). ``due``: the committed step

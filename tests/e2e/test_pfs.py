@@ -125,3 +125,34 @@ def test_reshard_in_place_keeps_local_retention(tmp_path: Path) -> None:
         for step_dir in (res.local / node).glob("*step-*"):
             record = (step_dir / "COMMITTED").read_text()
             assert '"world": 2' in record, (step_dir, record)
+
+
+@pytest.mark.timeout(600)
+def test_default_backpressure_never_loses_the_newest_step(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """The default policy (``FTKIT_PFS_BACKPRESSURE=delay``) with a PFS step due at every
+    step of the toy, whose steps take a few ms while a flush takes ~0.1 s: which steps are
+    delayed or skipped depends on timing, but every due step is flushed or skipped (never
+    lost silently), every skip names the newer step that superseded it, a delayed step is
+    flushed later unless skipped, the last step reaches the PFS at close, and the run is
+    bit-exact. The PFS then restores that last step."""
+    steps = 12
+    res = run_toy(tmp_path, steps=steps, max_restarts=0, FTKIT_LEVELS="local:1,pfs:1",
+                  FTKIT_PFS_BACKPRESSURE="delay", FTKIT_PFS_KEEP="20")
+    assert res.rc == 0, res.tail()
+    assert res.done["digest"] == reference_digest(4, steps)
+    events = res.events()
+    flushed = [e["step"] for e in events if e["event"] == "flush"]
+    delayed = [e["step"] for e in events if e["event"] == "flush-delayed"]
+    skipped = {e["step"]: e["superseded_by"] for e in events if e["event"] == "flush-skipped"}
+    assert sorted(flushed + list(skipped)) == list(range(1, steps + 1)), events
+    assert flushed == sorted(flushed) and flushed[-1] == steps, flushed
+    assert set(skipped) <= set(delayed) and all(s < n for s, n in skipped.items()), skipped
+    assert set(delayed) - set(skipped) <= set(flushed)
+    committed = sorted(int(p.parent.name[5:]) for p in (res.pfs / "e2e").glob("step-*/COMMITTED"))
+    assert committed == flushed, (committed, flushed)
+    shutil.rmtree(res.local)
+    again = run_toy(tmp_path, steps=steps + 2, max_restarts=0, FTKIT_LEVELS="local:1,pfs:1")
+    assert again.rc == 0, again.tail()
+    assert again.starts[0]["step"] == steps, again.tail()
+    assert again.done["digest"] == reference_digest(4, steps + 2)
