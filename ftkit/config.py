@@ -126,15 +126,8 @@ class Config:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"FTKIT_LOG_LEVEL: {self.log_level!r}; valid: {', '.join(LOG_LEVELS)}")
         object.__setattr__(self, "log_level", self.log_level.upper())
-        start = self.start.strip().lower()
-        if start not in START_MODES:
-            raise ConfigError(f"FTKIT_START: {self.start!r}; valid: {', '.join(START_MODES)}")
-        object.__setattr__(self, "start", start)
-        mode = self.pfs_backpressure.strip().lower()
-        if mode not in BACKPRESSURE_MODES:
-            raise ConfigError(f"FTKIT_PFS_BACKPRESSURE: {self.pfs_backpressure!r}; valid: "
-                              f"{', '.join(BACKPRESSURE_MODES)}")
-        object.__setattr__(self, "pfs_backpressure", mode)
+        for field, modes in (("start", START_MODES), ("pfs_backpressure", BACKPRESSURE_MODES)):
+            object.__setattr__(self, field, _one_of(getattr(self, field), modes, field))
         text = ",".join(f"{name}:{every}" for name, every in self.levels or DEFAULT_LEVELS)
         object.__setattr__(self, "levels", parse_levels(text))
         self._check_schedule()
@@ -241,6 +234,15 @@ class Config:
                                   f"{', '.join(sorted(_FIELDS))}")
             values[field] = _coerce(field, raw, f"Config.load({key}=...)")
         return cls(**values)
+
+
+def _one_of(raw: str, modes: tuple[str, ...], field: str) -> str:
+    """``raw`` as one of ``modes`` (case and surrounding blanks ignored); ConfigError naming
+    the variable and the valid values else."""
+    value = raw.strip().lower()
+    if value not in modes:
+        raise ConfigError(f"FTKIT_{field.upper()}: {raw!r}; valid: {', '.join(modes)}")
+    return value
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

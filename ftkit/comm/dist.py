@@ -90,8 +90,8 @@ class DistComm:
         transfer. Non-blocking MPI operations progress only inside MPI calls, so bulk
         transfers (``spin=True``; by default when ``nbytes`` is given) poll back to back,
         yielding the CPU in between; small control messages (and ``spin=False``: a long wait
-        for another rank's I/O) back off to millisecond sleeps. On a timeout the requests are left as they are:
-        see :meth:`waitall_bulk` for transfers."""
+        for another rank's I/O) back off to millisecond sleeps. On a timeout the requests are
+        left as they are: see :meth:`waitall_bulk` for transfers."""
         limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
         spin = nbytes is not None if spin is None else spin
         deadline = time.monotonic() + limit

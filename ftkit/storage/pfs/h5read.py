@@ -203,11 +203,9 @@ def _rank_link(h5: Any, rank: int) -> Any:
 
 
 def _rank_group(h5: Any, rank: int, file: Path, step: int | None) -> Any:
-    """``/rank/<r>`` of an open node file, reached by hard links only."""
+    """``/rank/<r>`` of an open node or rank file, reached by hard links only."""
     h5py = _h5py()
-    top = h5.get("rank", getlink=True)
-    link = h5["rank"].get(str(rank), getlink=True) if isinstance(top, h5py.HardLink) else None
-    grp = h5.get(f"rank/{rank}") if isinstance(link, h5py.HardLink) else None
+    grp = h5.get(f"rank/{rank}") if isinstance(_rank_link(h5, rank), h5py.HardLink) else None
     if not isinstance(grp, h5py.Group):
         raise CorruptCheckpointError(f"{file}:/rank/{rank}", "no such group (or not a plain "
                                      "group)", rank=rank, step=step, level="pfs")

@@ -11,17 +11,18 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    all ranks in parallel (temp name, fsync, rename), verifying every tensor's bytes against
    the shard's checksum as it copies them (a corrupt shard fails the flush: corruption is
    never copied to the PFS); each node leader also writes ``step-<s>/node-<id>.h5``, which
-   holds only external links ``/rank/<r>`` to its ranks' files;
-2. (no data crosses the network: no rank holds more than its own mapped shard)
-3. all ranks agree that every file is durable and send rank 0 the byte digests of the files
-   they wrote (:mod:`ftkit.storage.pfs.h5files`);
-4. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
+   holds only external links ``/rank/<r>`` to its ranks' files. No data crosses the
+   network: no rank holds more than its own mapped shard;
+2. all ranks agree that every file is durable (waiting for the slowest node's bytes,
+   :func:`io_allowance`) and send rank 0 the byte digests of the files they wrote
+   (:mod:`ftkit.storage.pfs.h5files`);
+3. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
    id, the node of every rank and the digest of every file, under its own checksum); all
    ranks agree that it did;
-5. retention: rank 0 removes the committed steps older than the ``FTKIT_PFS_KEEP`` newest
+4. retention: rank 0 removes the committed steps older than the ``FTKIT_PFS_KEEP`` newest
    (:func:`prune_steps`) — only now, after a newer step is committed.
 
-A crash anywhere before 4 leaves a step without ``COMMITTED``, which restore ignores and
+A crash anywhere before 3 leaves a step without ``COMMITTED``, which restore ignores and
 ``inspect`` shows as incomplete — never a mix of two timelines under one record. An agreed
 failure (a full or failing PFS) makes rank 0 remove the incomplete step directory; the next
 flush removes what a crash left.
