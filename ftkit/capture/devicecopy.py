@@ -66,8 +66,9 @@ class DeviceLanding:
         """The following pieces belong to ``target`` (flat uint8 torch tensor)."""
         self._target = target
 
-    def buffer(self, n: int) -> np.ndarray:
-        """The half of the host buffer for the next piece, once its previous copy is done."""
+    def buffer(self, offset: int, n: int) -> np.ndarray:
+        """The half of the host buffer for the next piece (``n`` bytes of the target at
+        ``offset``), once its previous copy is done."""
         if not self._host:
             self._allocate()
         event = self._events[self._turn]

@@ -20,12 +20,21 @@ the flattening of the live state (which calls ``state_dict()`` on its objects).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
+from ftkit.capture import loaders
 from ftkit.capture.devicecopy import device_target, overwritable
-from ftkit.capture.flatten import Extra, TensorLeaf, flatten
+from ftkit.capture.flatten import (
+    DecodeError,
+    Extra,
+    TensorLeaf,
+    flatten,
+    leaf_from_bytes,
+    unflatten,
+)
 
 
 def live_leaves(state: Any, extra: Extra | None = None) -> list[TensorLeaf]:
@@ -74,3 +83,30 @@ def _bytes_of(x: Any) -> np.ndarray | None:
     except Exception:  # noqa: BLE001 - any tensor torch cannot show as bytes: a new buffer
         return None
     return view if view.flags.writeable else None
+
+
+@dataclasses.dataclass
+class Reading:
+    """Where each saved tensor's bytes go, and the state tree over them (nothing read yet)."""
+
+    dests: list[Any]       # np.ndarray (host bytes) or a flat uint8 CUDA tensor
+    live: list[bool]       # dests[i] is a live tensor's memory, not a new buffer
+    tree: dict[str, Any]
+
+
+def plan_reading(saved: list[TensorLeaf], tree: Any, state: Any) -> Reading:
+    """The destination of every ``saved`` tensor (:func:`destination`, against ``state``
+    flattened as a save flattens it) and the state tree ``tree`` (a checkpoint's JSON
+    skeleton) decoded over them. DecodeError when the tree does not decode or its root is
+    not a dict."""
+    live = live_leaves(state, loaders.extra_layout)
+    dests, flags, tensors = [], [], []
+    for i, leaf in enumerate(saved):
+        dest, value = destination(leaf, live[i] if i < len(live) else None)
+        dests.append(dest)
+        flags.append(value is not None)
+        tensors.append(value if value is not None else leaf_from_bytes(leaf, dest))
+    root = unflatten(tree, tensors)
+    if not isinstance(root, dict):
+        raise DecodeError(None, f"the state root is a {type(root).__name__}, not a dict")
+    return Reading(dests, flags, root)

@@ -10,23 +10,27 @@ one-line reason (logged, ``restore-skip`` event); restore then tries the next ol
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from ftkit.capture.flatten import TensorLeaf, flatten, leaf_from_bytes, unflatten
+from ftkit.capture.flatten import DecodeError, TensorLeaf, flatten
+from ftkit.capture.inplace import plan_reading
+from ftkit.capture.landing import Gate, GatedLanding
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
-from ftkit.errors import CheckpointError
+from ftkit.errors import CheckpointError, CorruptCheckpointError
 from ftkit.recovery.plan import one_line
-from ftkit.recovery.restore import apply_agreed
+from ftkit.recovery.restore import check_fits, load_agreed
 from ftkit.storage.pfs import h5read
 from ftkit.storage.pfs.h5read import StepReader
 from ftkit.storage.pfs.level import PfsLevel, io_allowance
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of ftkit.RNGState
 
 
@@ -108,18 +112,44 @@ def check_dp_replicas(step_dir: Path, step: int, replicas: list[int]) -> None:
                         f"({reader.meta.get('world')} ranks)"))
 
 
-def _read_step(pfs: PfsLevel, step: int, progress: Callable[[int], None] | None = None
-               ) -> Any:
-    """This rank's state tree of PFS ``step``, every byte verified (raises on any problem):
-    the step's COMMITTED record and file digests are required, so libhdf5 never parses a
-    damaged byte. Local."""
-    step_dir = pfs.step_dir(step)
-    with StepReader(step_dir, step, job=pfs.config.job, require_commit=True) as reader:
-        src = source_rank(step_dir, pfs.topo, reader.meta)
-        group, arrays = reader.read(src, progress=progress)
-    leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]), e["nbytes"])
-              for e in group.entries]
-    return unflatten(group.tree, [leaf_from_bytes(lf, a) for lf, a in zip(leaves, arrays)])
+class _Opened:
+    """A PFS step opened for restore by one rank: the verified index and group of the
+    saved rank it loads, and where each tensor will land (nothing read into the state)."""
+
+    def __init__(self, pfs: PfsLevel, step: int, state: Any) -> None:
+        step_dir = pfs.step_dir(step)
+        self.reader = StepReader(step_dir, step, job=pfs.config.job, require_commit=True)
+        try:
+            src = source_rank(step_dir, pfs.topo, self.reader.meta)
+            self.group = self.reader.group(src)
+            leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
+                                 e["nbytes"]) for e in self.group.entries]
+            try:
+                self.reading = plan_reading(leaves, self.group.tree, state)
+            except DecodeError as exc:
+                raise CorruptCheckpointError(self.group.where, str(exc), rank=src, step=step,
+                                             level="pfs") from None
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def read(self, gate: Gate, progress: Callable[[int], None]) -> None:
+        """Every tensor into its destination (live ones through ``gate``), each checked
+        against its checksum; raises on any problem."""
+        landing = GatedLanding(gate)
+
+        def into(i: int) -> GatedLanding:
+            landing.start(self.reading.dests[i], self.reading.live[i])
+            return landing
+        try:
+            self.reader.read_into(self.group, into, progress=progress)
+        finally:
+            landing.finish()
+
+
+def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
+          ) -> _Opened:
+    return _Opened(pfs, step, state)
 
 
 STALLED = "made no progress"
@@ -136,30 +166,34 @@ def transient(reason: str) -> bool:
     return STALLED in reason or "still stuck" in reason
 
 
-def read_with_deadline(pfs: PfsLevel, step: int, timeout: float) -> Any:
-    """:func:`_read_step` on a daemon thread under a no-progress deadline: ``timeout``
-    seconds, plus the time the tensor being read needs at ``MIN_BULK_BANDWIDTH``, since the
-    last tensor finished. Raises PfsReadTimeout when it expires (all ranks reading the same
-    hung file would otherwise wait forever: no collective is pending to time out). Local."""
-    box: cf.Future[Any] = cf.Future()
+def with_deadline(work: Callable[[Callable[[int], None]], T], what: str, timeout: float,
+                  gate: Gate | None = None) -> T:
+    """``work(progress)`` on a daemon thread under a no-progress deadline: ``timeout``
+    seconds, plus the time the bytes last announced by ``progress(n)`` need at
+    ``MIN_BULK_BANDWIDTH``, since the last call. When it expires, ``gate`` is closed (the
+    thread, if it ever wakes up, lands nothing more in the live state) and PfsReadTimeout
+    is raised: all ranks stuck in the same hung file would otherwise wait forever (no
+    collective is pending to time out). Local."""
+    box: cf.Future[T] = cf.Future()
     mark = [time.monotonic(), 0]          # last progress, bytes announced since
 
     def progress(nbytes: int) -> None:
         mark[:] = [time.monotonic(), nbytes]
 
-    def work() -> None:
+    def run() -> None:
         try:
-            box.set_result(_read_step(pfs, step, progress))
+            box.set_result(work(progress))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             box.set_exception(exc)
-    threading.Thread(target=work, name=f"ftkit-pfs-read-{step}", daemon=True).start()
+    threading.Thread(target=run, name="ftkit-pfs-read", daemon=True).start()
     while True:
         allowed = timeout + mark[1] / MIN_BULK_BANDWIDTH
         remaining = mark[0] + allowed - time.monotonic()
         if remaining <= 0:
-            raise PfsReadTimeout(f"reading {pfs.step_dir(step)} {STALLED} for "
-                                 f"{allowed:g} s (FTKIT_TIMEOUT); the file system or its "
-                                 f"HDF5 files may be hung")
+            if gate is not None:
+                gate.close()
+            raise PfsReadTimeout(f"{what} {STALLED} for {allowed:g} s (FTKIT_TIMEOUT); the "
+                                 f"file system or its HDF5 files may be hung")
         try:
             return box.result(timeout=remaining)
         except cf.TimeoutError:
@@ -175,49 +209,89 @@ def _state_bytes(state: Any) -> int:
         return 0
 
 
+class _Tries:
+    """The agreed phases of :func:`restore_from_pfs`: each runs under a deadline
+    (:func:`with_deadline`) on every rank, its failures are agreed, and a step that failed
+    anywhere is skipped with why (logged, ``restore-skip``). Once a read was given up
+    (``stuck``), no later step is read: the library or file system it hung in may still
+    be stuck."""
+
+    def __init__(self, dc: DistComm, pfs: PfsLevel, emit: Callable[..., None],
+                 allow: int | None) -> None:
+        self.dc, self.pfs, self.emit, self.allow = dc, pfs, emit, allow
+        self.skipped: dict[int, str] = {}
+        self.stuck: str | None = None
+        self.abandoned = False             # the last phase's thread was given up
+
+    def run(self, step: int, work: Callable[[Callable[[int], None]], T],
+            gate: Gate | None = None) -> tuple[bool, T | None]:
+        """(True, result) when ``work`` succeeded on every rank; else (False, this rank's
+        result or None) and the step is skipped. All ranks call."""
+        failure, result, self.abandoned = None, None, False
+        try:
+            if self.stuck is not None:
+                raise PfsReadTimeout(f"not read: an earlier PFS read is still stuck "
+                                     f"({self.stuck})")
+            result = with_deadline(work, f"reading {self.pfs.step_dir(step)}",
+                                   self.pfs.config.timeout, gate)
+        except Exception as exc:  # noqa: BLE001 - any failure: the step is unusable
+            failure = one_line(exc)
+            if isinstance(exc, PfsReadTimeout) and self.stuck is None:
+                self.stuck, self.abandoned = f"step {step}", True
+            log.warning("rank %d: PFS step %d (%s) is unusable: %s", self.dc.rank, step,
+                        self.pfs.step_dir(step), failure)
+        failures = self.dc.agree(failure, "restore-discover", step, allow_bytes=self.allow)
+        if not failures:
+            return True, result
+        reason = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
+        if self.dc.rank == 0:
+            log.warning("restore: PFS step %d is unusable, trying an older one: %s",
+                        step, reason)
+        reason = reason if len(reason) <= 1000 else reason[:997] + "..."
+        self.emit("restore-skip", step=step, level="pfs", failures=failures, reason=reason)
+        self.skipped[step] = reason
+        return False, result
+
+
 def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any],
                      emit: Callable[..., None], newer_than: int = 0,
                      skip: set[int] | frozenset[int] = frozenset()
                      ) -> tuple[int, dict[int, str]]:
     """Load the newest committed PFS step newer than ``newer_than`` that every rank can read
-    intact; a different DP size is resharded (see :func:`source_rank`). Any exception while
-    reading or decoding a step on any rank makes it unusable everywhere (agreed), and the
-    next older one is tried. Returns the step loaded (0 when none) and the newer committed
-    steps found unusable, with why (identical on every rank); steps in ``skip`` (found
-    unusable before) are not read again. All ranks call."""
+    intact; a different DP size is resharded (see :func:`source_rank`). Each candidate is
+    opened (metadata verified, destinations planned), the live state agreed to fit (else
+    the same StateMismatchError everywhere, nothing written), then every tensor is read
+    straight into its live counterpart where it has one (:mod:`ftkit.capture.landing`).
+    Any exception while opening or reading a step on any rank makes it unusable everywhere
+    (agreed), and the next older one is read over it: the state is never returned half
+    one step, half another (when none is usable the caller raises). Returns the step
+    loaded (0 when none) and the newer committed steps found unusable, with why (identical
+    on every rank); steps in ``skip`` (found unusable before) are not read again. All
+    ranks call."""
     candidates = dc.bcast([s for s in pfs.committed_steps() if s > newer_than and s not in skip]
                           if dc.rank == 0 else None, "restore-discover")
-    skipped: dict[int, str] = {}
-    stuck: str | None = None
-    allow = io_allowance(dc, pfs.topo, _state_bytes(state), "restore-discover", None) \
-        if candidates else None
+    tries = _Tries(dc, pfs, emit, io_allowance(dc, pfs.topo, _state_bytes(state),
+                                               "restore-discover", None)
+                   if candidates else None)
     for step in candidates:
-        failure = None
-        loaded: Any = None
-        try:
-            if stuck is not None:
-                raise PfsReadTimeout(f"not read: an earlier PFS read is still stuck ({stuck})")
-            loaded = read_with_deadline(pfs, step, pfs.config.timeout)
-        except Exception as exc:  # noqa: BLE001 - any failure: the step is unusable
-            failure = one_line(exc)
-            if isinstance(exc, PfsReadTimeout) and stuck is None:
-                stuck = f"step {step}"
-            log.warning("rank %d: PFS step %d (%s) is unusable: %s", dc.rank, step,
-                        pfs.step_dir(step), failure)
-        failures = dc.agree(failure, "restore-discover", step, allow_bytes=allow)
-        if failures:
-            reason = "; ".join(f"rank {r}: {f}" for r, f in sorted(failures.items()))
-            if dc.rank == 0:
-                log.warning("restore: PFS step %d is unusable, trying an older one: %s",
-                            step, reason)
-            reason = reason if len(reason) <= 1000 else reason[:997] + "..."
-            emit("restore-skip", step=step, level="pfs", failures=failures, reason=reason)
-            skipped[step] = reason
+        ok, opened = tries.run(step, functools.partial(_open, pfs, step, state))
+        if not ok or opened is None:
+            if opened is not None:
+                opened.reader.close()
             continue
-        apply_agreed(dc, state, loaded, step)
+        try:
+            check_fits(dc, state, opened.reading.tree, step)     # nothing written unless all fit
+            gate = Gate()
+            ok, _ = tries.run(step, functools.partial(opened.read, gate), gate)
+        finally:
+            if not tries.abandoned:
+                opened.reader.close()
+        if not ok:
+            continue
+        load_agreed(dc, state, opened.reading.tree, step)
         if dc.rank == 0:
             log.warning("restore: node-local levels hold no usable step newer than %d; "
                         "restored step %d from the PFS level (%s)", newer_than, step,
                         pfs.step_dir(step))
-        return step, skipped
-    return 0, skipped
+        return step, tries.skipped
+    return 0, tries.skipped

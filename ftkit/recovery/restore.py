@@ -21,11 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture import loaders
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
 from ftkit.capture.devicecopy import DeviceLanding
-from ftkit.capture.flatten import DecodeError, leaf_from_bytes, unflatten
-from ftkit.capture.inplace import destination, live_leaves
+from ftkit.capture.flatten import DecodeError
+from ftkit.capture.inplace import Reading, plan_reading
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import (
     CheckpointError,
@@ -254,7 +253,7 @@ def try_load(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,
     a restore that finds nothing else an :class:`UnrecoverableError`), so ``state`` is never
     returned half old, half new. All ranks call."""
     step = found.step
-    reading: _Reading | None = None
+    reading: Reading | None = None
     with contextlib.ExitStack() as stack:
         failure = None
         try:
@@ -303,37 +302,18 @@ def _agreed_loadable(dc: DistComm, levels: Levels, faults: Faults, found: Discov
     return False
 
 
-@dataclasses.dataclass
-class _Reading:
-    """Where each tensor of a shard goes (``dests``: live tensors' bytes or new buffers)
-    and the state tree over them."""
-
-    dests: list[Any]            # np.ndarray (host bytes) or a flat uint8 CUDA tensor
-    tree: dict[str, Any]
-
-
-def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> _Reading:
-    """The destinations of ``shard``'s tensors (:func:`ftkit.capture.inplace.destination`)
+def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> Reading:
+    """The destinations of ``shard``'s tensors (:func:`ftkit.capture.inplace.plan_reading`)
     and the tree over them, nothing read yet. CorruptCheckpointError naming the file when
     the tree does not decode. Local."""
-    live = live_leaves(state, loaders.extra_layout)
-    dests, tensors = [], []
     try:
-        for i, leaf in enumerate(leaves_of(shard.header)):
-            dest, value = destination(leaf, live[i] if i < len(live) else None)
-            dests.append(dest)
-            tensors.append(value if value is not None else leaf_from_bytes(leaf, dest))
-        tree = unflatten(shard.header["tree"], tensors)
+        return plan_reading(leaves_of(shard.header), shard.header["tree"], state)
     except DecodeError as exc:
         raise CorruptCheckpointError(str(shard.path), str(exc), rank=rank, step=step) \
             from None
-    if not isinstance(tree, dict):
-        raise CorruptCheckpointError(str(shard.path), f"the state root is a "
-                                     f"{type(tree).__name__}, not a dict", rank=rank, step=step)
-    return _Reading(dests, tree)
 
 
-def _read_checked(shard: Shard, reading: _Reading, rank: int, step: int) -> None:
+def _read_checked(shard: Shard, reading: Reading, rank: int, step: int) -> None:
     """Read every tensor of ``shard`` into its destination, each checked against its
     checksum on the bytes read (:meth:`Shard.read_into`). CorruptCheckpointError naming the
     file and the tensor on a mismatch. Local."""

@@ -376,8 +376,9 @@ class Landing(Protocol):
 
     piece: int
 
-    def buffer(self, n: int) -> np.ndarray:
-        """A writable uint8 buffer of ``n`` bytes (<= piece) for the next piece."""
+    def buffer(self, offset: int, n: int) -> np.ndarray:
+        """A writable uint8 buffer of ``n`` bytes (<= piece) for the next piece: the
+        tensor's bytes from ``offset``."""
 
     def land(self, offset: int, piece: np.ndarray) -> None:
         """``piece`` (from :meth:`buffer`) holds the tensor's bytes from ``offset``."""
@@ -501,14 +502,14 @@ class Shard:
 
     def read_through(self, index: int, landing: Landing) -> bool:
         """Read tensor ``index`` in pieces of at most ``landing.piece`` bytes, each into
-        ``landing.buffer(n)`` and then handed to ``landing.land(offset, piece)`` (e.g. copied
+        ``landing.buffer(offset, n)`` and then handed to ``landing.land(offset, piece)`` (e.g. copied
         to a GPU), hashing as :meth:`read_into` does; True when the checksum matches. The
         landing may still be using earlier pieces when this returns. OSError when the file
         cannot be read."""
         t, h = self.tensors[index], xxhash.xxh3_64()
         n = t["nbytes"]
         for at in range(0, n, landing.piece):
-            piece = landing.buffer(min(landing.piece, n - at))
+            piece = landing.buffer(at, min(landing.piece, n - at))
             self._read_range(index, at, piece, h)
             landing.land(at, piece)
         passes.count("copy", n)

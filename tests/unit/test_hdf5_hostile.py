@@ -7,6 +7,7 @@ attacker or a buggy tool could): only the structural checks of ``ftkit.storage.p
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -18,6 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
+from ftkit.capture.landing import Gate
 from ftkit.errors import CorruptCheckpointError
 from ftkit.recovery import pfs_restore
 from ftkit.storage.pfs import h5files, hdf5
@@ -276,13 +278,13 @@ def test_a_hung_read_times_out_and_restore_goes_on(tmp_path: Path,
     write_step(job / "step-1", [_state(0, pos=1000)], step=1, ranks_per_node=1)
     write_step(job / "step-2", [_state(0, pos=1234)], step=2, ranks_per_node=1)
     release = threading.Event()
-    real = pfs_restore._read_step
+    real = pfs_restore._Opened.read
 
-    def stalls_on_step_2(pfs: Any, step: int, progress: Any = None) -> Any:
-        if step == 2:
+    def stalls_on_step_2(self: Any, gate: Any, progress: Any) -> None:
+        if self.reader.step == 2:
             release.wait()
-        return real(pfs, step, progress)
-    monkeypatch.setattr(pfs_restore, "_read_step", stalls_on_step_2)
+        real(self, gate, progress)
+    monkeypatch.setattr(pfs_restore._Opened, "read", stalls_on_step_2)
     pfs = _Pfs(job, 1)
     pfs.config = SimpleNamespace(job="synth", timeout=0.5)
     events: list[tuple[str, dict[str, Any]]] = []
@@ -315,8 +317,13 @@ def test_a_slow_but_progressing_read_is_not_cut_off(tmp_path: Path,
     monkeypatch.setattr(StepReader, "_tensor", slow)
     pfs = _Pfs(job, 1)
     pfs.config = SimpleNamespace(job="synth", timeout=0.5)
-    loaded = pfs_restore.read_with_deadline(pfs, 1, 0.5)  # type: ignore[arg-type]
-    assert [float(loaded["t"][str(i)][0]) for i in range(6)] == [float(i) for i in range(6)]
+    live = {"t": {str(i): np.zeros(4, dtype=np.float32) for i in range(6)}}
+    opened = pfs_restore._Opened(pfs, 1, live)  # type: ignore[arg-type]
+    try:
+        pfs_restore.with_deadline(functools.partial(opened.read, Gate()), "reading", 0.5)
+    finally:
+        opened.reader.close()
+    assert [float(live["t"][str(i)][0]) for i in range(6)] == [float(i) for i in range(6)]
 
 
 def test_every_file_of_a_committed_step_needs_its_digest(step: Path) -> None:

@@ -60,6 +60,23 @@ def regular_file(path: Path, *, step: int | None = None, rank: int | None = None
     return int(st.st_size)
 
 
+def open_regular(path: Path, *, step: int | None = None, rank: int | None = None) -> int:
+    """``path`` opened read-only for plain reads (``preadv``): not through a symlink, never
+    blocking on a FIFO, and a regular file once open (CorruptCheckpointError naming it
+    otherwise). The caller closes the descriptor."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise CorruptCheckpointError(str(path), f"cannot read: {exc.strerror or exc}",
+                                     rank=rank, step=step, level="pfs") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(str(path), "is not a regular file; checkpoint files "
+                                     "must be regular files", rank=rank, step=step,
+                                     level="pfs")
+    return fd
+
+
 def open_file(path: Path, digest: Any = None, *, check: bool = False,
               step: int | None = None, rank: int | None = None) -> tuple[Any, int]:
     """(h5py file open read-only, size) of ``path``, after checking it is a regular file
@@ -220,10 +237,7 @@ def check_file(path: Path, digest: Any, *, step: int | None = None,
     if size != digest["size"]:
         raise bad(f"is {size} bytes, COMMITTED recorded {digest['size']} (truncated or "
                   f"changed after the step was committed)")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise bad(f"cannot read: {exc.strerror or exc}") from exc
+    fd = open_regular(path, step=step, rank=rank)
     try:
         got = _hash_gaps(fd, size, digest["raw"])
     except (OSError, EOFError) as exc:

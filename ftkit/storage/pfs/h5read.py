@@ -24,18 +24,16 @@ from typing import Any, Self
 
 import numpy as np
 
-from ftkit import passes
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage.pfs import h5files
+from ftkit.storage.pfs import h5data, h5files
 from ftkit.storage.pfs.hdf5 import (
     COMMITTED,
     INDEX,
     RankGroup,
     check_root,
-    raw_bytes,
     read_commit,
 )
-from ftkit.storage.shard import checksum
+from ftkit.storage.shard import Landing
 
 
 def _h5py() -> Any:
@@ -68,6 +66,7 @@ class StepReader:
                     step=step, level="pfs")
             self.digests = files
         self._nodes: dict[str, tuple[Any, int]] = {}
+        self._fds: dict[str, int] = {}
         self.h5, self.size = self._open(self.path, None)
         try:
             self.meta = check_root(self.h5, str(self.path), step=step)
@@ -90,6 +89,9 @@ class StepReader:
         return h5files.open_file(path, digest, check=check, step=self.step, rank=rank)
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         for h5, _ in self._nodes.values():
             h5.close()
         self._nodes.clear()
@@ -163,36 +165,67 @@ class StepReader:
     def read(self, rank: int, *, verify: bool = True,
              progress: Callable[[int], None] | None = None
              ) -> tuple[RankGroup, list[np.ndarray]]:
-        """``rank``'s verified group and raw uint8 arrays in tree order; with ``verify``,
-        every tensor's checksum checked. ``progress(n)`` is called before each tensor is read
-        with its size and with 0 once it is (a deadline can allow for the bytes announced).
-        Raises CorruptCheckpointError."""
+        """``rank``'s verified group and raw uint8 arrays (new) in tree order; see
+        :meth:`read_into`. Raises CorruptCheckpointError."""
         group = self.group(rank)
-        arrays = []
-        for entry, ds in zip(group.entries, group.datasets):
-            if progress is not None:
-                progress(entry["nbytes"])
-            arrays.append(self._tensor(rank, group, entry, ds, verify))
-            if progress is not None:
-                progress(0)
+        arrays = [np.empty(e["nbytes"], dtype=np.uint8) for e in group.entries]
+        landing = _Into()
+
+        def into(i: int) -> Landing:
+            landing.dest = arrays[i]
+            return landing
+        self.read_into(group, into, verify=verify, progress=progress)
         return group, arrays
 
+    def read_into(self, group: RankGroup, into: Callable[[int], Landing], *,
+                  verify: bool = True, progress: Callable[[int], None] | None = None) -> None:
+        """Read every tensor of ``group`` (from :meth:`group`) in tree order, piece by piece,
+        into the landing ``into(i)`` returns for tensor i (:mod:`ftkit.storage.pfs.h5data`);
+        with ``verify``, each checksum checked once its bytes have landed. ``progress(n)`` is
+        called before each tensor with its size and with 0 once it is read (a deadline can
+        allow for the bytes announced). Raises CorruptCheckpointError naming the dataset."""
+        rank = int(group.attrs["rank"])
+        for i, (entry, ds) in enumerate(zip(group.entries, group.datasets)):
+            if progress is not None:
+                progress(entry["nbytes"])
+            self._tensor(rank, group, entry, ds, into(i), verify)
+            if progress is not None:
+                progress(0)
+
     def _tensor(self, rank: int, group: RankGroup, entry: dict[str, Any], ds: Any,
-                verify: bool) -> np.ndarray:
-        """One dataset's bytes (flat uint8), size and (with ``verify``) checksum checked."""
+                landing: Landing, verify: bool) -> None:
+        """One dataset's bytes into ``landing``, checksum checked (with ``verify``)."""
         def bad(why: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{group.file}:{ds.name}", why, rank=rank,
                                           step=self.step, level="pfs")
         try:
-            raw = raw_bytes(ds[()])
+            got = h5data.read_dataset(self._fd(Path(group.file), rank), ds, entry["nbytes"],
+                                      landing)
         except Exception as exc:
             raise bad(f"unreadable data: {type(exc).__name__}: {exc}") from exc
-        passes.count("read", raw.nbytes)
-        if raw.nbytes != entry["nbytes"]:
-            raise bad(f"read {raw.nbytes} bytes, expected {entry['nbytes']}")
-        if verify and (got := checksum(raw)) != entry["checksum"]:
+        if verify and got != entry["checksum"]:
             raise bad(f"checksum mismatch (stored {entry['checksum']}, data has {got})")
-        return raw
+
+    def _fd(self, path: Path, rank: int) -> int:
+        """``path`` (a file of this step already checked and opened) open for ``preadv``."""
+        key = str(path)
+        if key not in self._fds:
+            self._fds[key] = h5files.open_regular(path, step=self.step, rank=rank)
+        return self._fds[key]
+
+
+class _Into:
+    """Pieces read straight into ``dest`` (a new array nobody else sees)."""
+
+    piece = 16 << 20
+    dest: np.ndarray
+
+    def buffer(self, offset: int, n: int) -> np.ndarray:
+        out: np.ndarray = self.dest[offset:offset + n]
+        return out
+
+    def land(self, offset: int, piece: np.ndarray) -> None:
+        """The bytes are already in place."""
 
 
 def _rank_link(h5: Any, rank: int) -> Any:

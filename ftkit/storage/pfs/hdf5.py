@@ -53,6 +53,7 @@ _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1"
              "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "bool": "|b1",
              "complex64": "<c8", "complex128": "<c16"}
 CHUNK_BYTES = 64 << 20     # contiguous up to this size; larger tensors: ~16 MiB chunks
+CHUNK_PIECE = 16 << 20     # the bytes of one chunk of a larger tensor (whole rows)
 
 
 def _h5py() -> Any:
@@ -93,7 +94,7 @@ def _chunks(data: np.ndarray) -> tuple[int, ...] | None:
     if data.nbytes <= CHUNK_BYTES or data.ndim == 0 or data.shape[0] == 0:
         return None
     row = max(1, data.nbytes // data.shape[0])
-    return (max(1, (16 << 20) // row), *data.shape[1:])
+    return (min(data.shape[0], max(1, CHUNK_PIECE // row)), *data.shape[1:])
 
 
 # --------------------------------------------------------------------------- metadata checksum
