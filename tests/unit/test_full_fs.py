@@ -14,10 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ftkit.capture.flatten import flatten
+from ftkit.capture.staging import Stager
 from ftkit.events import append_event, mark_progress, read_events
 from ftkit.launch import marker
 from ftkit.recovery import identity
 from ftkit.storage.pfs import hdf5
+from ftkit.storage.shard import Shard, write_shard
 from tests.mounts import fill, free_bytes, tmpfs
 
 
@@ -27,7 +30,7 @@ def small(tmp_path: Path) -> Iterator[Path]:
         yield path
 
 
-def _fill_datasets(h5: object) -> None:
+def _fill_datasets(h5: object, _sink: object) -> None:
     grp = h5.create_group("rank/0")  # type: ignore[attr-defined]
     for i in range(8):
         ds = grp.create_dataset(f"t{i}", data=np.ones(64 << 10, dtype=np.float32))
@@ -58,8 +61,26 @@ def test_hdf5_write_on_a_full_fs_fails_inside_the_writer(small: Path) -> None:
     assert free_bytes(small) == 1 << 20          # every byte of the abandoned file is back
 
 
+def test_raw_tensor_bytes_on_a_full_fs_fail_inside_the_writer(small: Path,
+                                                              tmp_path: Path) -> None:
+    """A large tensor's bytes are written by ftkit at their place in the file, not by
+    libhdf5: ENOSPC there fails the same way, the temp file removed, every byte back."""
+    tree, leaves = flatten({"w": np.ones(1 << 19, dtype=np.float32)})       # 2 MiB
+    shard_path = tmp_path / "rank-0.ftk"
+    write_shard(shard_path, {"job": "j", "step": 3, "rank": 0, "world": 1}, tree, leaves,
+                Stager().capture(leaves))
+    with Shard.open(shard_path, rank=0, step=3) as shard, \
+            pytest.raises(OSError, match=r"No space left on device \(writing .*\.tmp\)") as err:
+        hdf5.write_rank_file(small / "rank-0.h5", shard, {})
+    assert err.value.errno == 28
+    assert sorted(p.name for p in small.iterdir()) == []
+    del err
+    gc.collect()
+    assert free_bytes(small) == 1 << 20
+
+
 def test_hdf5_write_that_fits_is_unchanged(small: Path) -> None:
-    digest = hdf5._write_atomic(small / "node-0.h5", lambda h5: h5.attrs.update(
+    digest = hdf5._write_atomic(small / "node-0.h5", lambda h5, _sink: h5.attrs.update(
         {"format": hdf5.FORMAT}))
     assert digest["size"] == (small / "node-0.h5").stat().st_size
     assert [p.name for p in small.iterdir()] == ["node-0.h5"]

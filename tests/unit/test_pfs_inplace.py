@@ -5,7 +5,6 @@ the live state afterwards."""
 from __future__ import annotations
 
 import threading
-import time
 import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,10 +15,15 @@ import numpy as np
 import pytest
 
 from ftkit import passes
+from ftkit.capture.flatten import flatten
 from ftkit.capture.landing import Abandoned, Gate, GatedLanding
+from ftkit.capture.staging import Stager
+from ftkit.errors import CorruptCheckpointError
 from ftkit.recovery import pfs_restore
 from ftkit.storage.pfs import h5data, hdf5
-from ftkit.storage.shard import checksum
+from ftkit.storage.shard import Shard, checksum, write_shard
+from ftkit.testing.faults import flip_byte
+from tests.unit.test_hdf5_hostile import _craft, _replace_dataset
 from tests.unit.test_hdf5_meta import _OneRank, _Pfs, _state, data_file, write_step
 
 
@@ -194,20 +198,68 @@ def test_other_datasets_are_read_through_h5py(tmp_path: Path, create: dict[str, 
     assert out.tobytes() == expected.tobytes() and got == checksum(expected)
 
 
-def test_large_tensors_restore_from_row_chunks(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tensors above ``CHUNK_BYTES`` are written in chunks of rows; restore reads them
-    piece by piece from every chunk's offset."""
-    monkeypatch.setattr(hdf5, "CHUNK_BYTES", 15)
-    monkeypatch.setattr(hdf5, "CHUNK_PIECE", 12)     # a row of model/a; 3 rows of model/n
+def _rechunk(h5: Any) -> None:
+    """Rewrite every dataset of /rank/0 in chunks of rows (as ftkit wrote tensors above
+    64 MiB before their bytes were written at their place)."""
+    for name in ("model/a", "model/n"):
+        path = f"rank/0/{name}"
+        data = h5[path][()]
+        _replace_dataset(h5, path, data=data, chunks=(1, 3) if data.ndim == 2 else (3,))
+
+
+def test_steps_written_in_row_chunks_restore(tmp_path: Path) -> None:
+    """Steps of earlier versions hold large tensors in chunks of rows; restore reads them
+    piece by piece from every chunk's offset, the last chunk ragged."""
     state = _state(0, pos=77)
-    write_step(tmp_path / "job" / "step-1", [state], step=1, ranks_per_node=1,
-               rank_files=True)
-    with h5py.File(data_file(tmp_path / "job" / "step-1", 0), "r") as h5:
+    step = tmp_path / "job" / "step-1"
+    write_step(step, [state], step=1, ranks_per_node=1, rank_files=True)
+    _craft(data_file(step, 0), _rechunk)
+    with h5py.File(data_file(step, 0), "r") as h5:
         assert h5["rank/0/model/a"].chunks == (1, 3) and h5["rank/0/model/n"].chunks == (3,)
     live = _zeroed(_state(0, pos=0))
-    t0 = time.monotonic()
     assert _restore(tmp_path / "job", live) == (1, {})
-    assert time.monotonic() - t0 < 30
     for name, saved in state["model"].items():
         assert np.array_equal(live["model"][name], saved), name
+
+
+def test_large_tensors_are_written_at_their_place(tmp_path: Path) -> None:
+    """Tensors from ``RAW_MIN`` bytes on are contiguous datasets allocated at creation and
+    never filled by libhdf5; their bytes, written by ftkit at the dataset's offset, read
+    back through plain h5py."""
+    rng = np.random.default_rng(8)
+    state = {"model": {"big": rng.standard_normal((300, 100)).astype(np.float32),
+                       "raw": rng.integers(0, 256, hdf5.RAW_MIN, dtype=np.uint8),
+                       "small": np.arange(5, dtype=np.int64)}, "data": {"pos": 1}}
+    step = tmp_path / "job" / "step-1"
+    write_step(step, [state], step=1, ranks_per_node=1, rank_files=True)
+    with h5py.File(data_file(step, 0), "r") as h5:
+        for name, value in state["model"].items():
+            ds = h5[f"rank/0/model/{name}"]
+            plist = ds.id.get_create_plist()
+            assert plist.get_layout() == h5py.h5d.CONTIGUOUS, name
+            early = plist.get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
+            assert early == (value.nbytes >= hdf5.RAW_MIN), name
+            assert np.array_equal(ds[()], value), name
+    live = {"model": {k: np.zeros_like(v) for k, v in state["model"].items()},
+            "data": {"pos": 0}}
+    assert _restore(tmp_path / "job", live) == (1, {})
+    for name, value in state["model"].items():
+        assert np.array_equal(live["model"][name], value), name
+
+
+def test_a_corrupt_shard_written_at_its_place_leaves_no_file(tmp_path: Path) -> None:
+    """The raw path checks the shard's checksum too: a flipped byte in the last piece of a
+    large tensor raises and nothing of the file remains."""
+    state = {"w": np.arange(hdf5.RAW_MIN, dtype=np.float32)}
+    tree, leaves = flatten(state)
+    path = tmp_path / "rank-0.ftk"
+    write_shard(path, {"job": "j", "step": 3, "rank": 0, "world": 1}, tree, leaves,
+                Stager().capture(leaves))
+    with Shard.open(path) as shard:
+        offset = shard.tensors[0]["offset"] + shard.tensors[0]["nbytes"] - 3
+    flip_byte(path, offset)
+    out = tmp_path / "rank-0.h5"
+    with Shard.open(path, rank=0, step=3) as shard, \
+            pytest.raises(CorruptCheckpointError, match=r"'w' does not match its checksum"):
+        hdf5.write_rank_file(out, shard, {})
+    assert not out.exists() and not list(tmp_path.glob(".rank-0.h5*"))

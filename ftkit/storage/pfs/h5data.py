@@ -3,8 +3,8 @@
 h5py reads a dataset into a new array: a restore would then copy it into the live tensor
 (a second pass over every byte, a page fault per page of the new array, a second copy of
 the state in memory) and could not be followed by a deadline piece by piece. ftkit's
-datasets are plain — contiguous, or chunked along dimension 0 only (``hdf5._chunks``), no
-filters, their data inside their own file (:func:`h5files.check_storage`, checked before any
+datasets are plain — contiguous (earlier ftkit versions wrote tensors above 64 MiB in chunks of
+rows: chunked along dimension 0 only), no filters, their data inside their own file (:func:`h5files.check_storage`, checked before any
 byte is read) — so their bytes lie at file offsets libhdf5 reports. :func:`spans` lists
 them; :func:`read_dataset` reads each piece with ``preadv`` into the landing's buffer
 (:class:`ftkit.storage.shard.Landing`), hashes it while it is in cache and lands it. A

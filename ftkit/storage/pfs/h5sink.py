@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ftkit import passes
 
 
@@ -61,6 +63,13 @@ class H5Sink:
         return n
 
     def write(self, buf: Any) -> int:
+        n = self.write_at(buf, self.pos)
+        self.pos += n
+        return n
+
+    def write_at(self, buf: Any, pos: int) -> int:
+        """Write all of ``buf`` at ``pos`` (the position is not moved): libhdf5's writes,
+        and a dataset's raw bytes written at their place by ftkit (:class:`RawLanding`)."""
         view = memoryview(buf).cast("B")
         n = len(view)
         if not self.discarding:
@@ -69,12 +78,11 @@ class H5Sink:
             try:
                 done = 0
                 while done < n:
-                    done += os.pwrite(self.fd, view[done:], self.pos + done)
+                    done += os.pwrite(self.fd, view[done:], pos + done)
                 passes.count("write", n)
             except OSError as exc:
                 self.error = exc
                 raise
-        self.pos += n
         return n
 
     def truncate(self, size: int | None = None) -> int:
@@ -97,9 +105,33 @@ class H5Sink:
         self.discarding = True
 
 
-def write_new_file(fd: int, fill: Callable[[Any], None], where: str) -> None:
-    """Create an HDF5 file on the empty file open at ``fd`` (read-write) and let ``fill``
-    write into the open h5py File; close it and fsync ``fd``. On any failure the file is
+class RawLanding:
+    """The :class:`ftkit.storage.shard.Landing` that writes a tensor's bytes, read from its
+    shard piece by piece into one reused buffer (hashed there by the reader), at their place
+    in the file: the raw data of a contiguous dataset allocated at ``base`` (set before each
+    tensor). libhdf5 never sees or buffers the bytes."""
+
+    piece = 4 << 20
+
+    def __init__(self, sink: H5Sink) -> None:
+        self.sink = sink
+        self.base = 0
+        self._buf: np.ndarray | None = None
+
+    def buffer(self, offset: int, n: int) -> np.ndarray:
+        if self._buf is None:
+            self._buf = np.empty(self.piece, dtype=np.uint8)
+        out: np.ndarray = self._buf[:n]
+        return out
+
+    def land(self, offset: int, piece: np.ndarray) -> None:
+        self.sink.write_at(piece, self.base + offset)
+
+
+def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> None:
+    """Create an HDF5 file on the empty file open at ``fd`` (read-write) and let
+    ``fill(h5, sink)`` write into the open h5py File (``sink``: the file under it, for raw
+    data written at its place); close it and fsync ``fd``. On any failure the file is
     closed inside this call with every further write dropped (nothing of it can fail later,
     from a destructor or the garbage collector, on any thread) and the error is raised: the
     file system's own ``OSError`` (errno and ``where`` named) when a write failed, else what
@@ -109,7 +141,7 @@ def write_new_file(fd: int, fill: Callable[[Any], None], where: str) -> None:
     h5 = None
     try:
         h5 = h5py.File(sink, "w")
-        fill(h5)
+        fill(h5, sink)
         h5.close()
         os.fsync(fd)
     except BaseException as exc:

@@ -42,7 +42,7 @@ import numpy as np
 from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files
-from ftkit.storage.pfs.h5sink import write_new_file
+from ftkit.storage.pfs.h5sink import H5Sink, RawLanding, write_new_file
 from ftkit.storage.shard import Shard, checksum, create_temp, fsync_dir, write_atomic
 
 FORMAT = "ftkit-hdf5-2"
@@ -52,8 +52,7 @@ META = "meta_checksum"
 _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1",
              "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "bool": "|b1",
              "complex64": "<c8", "complex128": "<c16"}
-CHUNK_BYTES = 64 << 20     # contiguous up to this size; larger tensors: ~16 MiB chunks
-CHUNK_PIECE = 16 << 20     # the bytes of one chunk of a larger tensor (whole rows)
+RAW_MIN = 64 << 10         # tensors from this size on: raw bytes written at their place
 
 
 def _h5py() -> Any:
@@ -86,15 +85,6 @@ def dataset_names(tensors: list[dict[str, Any]]) -> list[str]:
         seen.add(path)
         names.append(path)
     return names
-
-
-def _chunks(data: np.ndarray) -> tuple[int, ...] | None:
-    """Contiguous storage for tensors up to CHUNK_BYTES (h5py's automatic chunks are ~32 KiB,
-    which halves write and read speed); beyond that, chunks of ~16 MiB along dimension 0."""
-    if data.nbytes <= CHUNK_BYTES or data.ndim == 0 or data.shape[0] == 0:
-        return None
-    row = max(1, data.nbytes // data.shape[0])
-    return (min(data.shape[0], max(1, CHUNK_PIECE // row)), *data.shape[1:])
 
 
 # --------------------------------------------------------------------------- metadata checksum
@@ -354,26 +344,31 @@ def _only_hard_links(grp: Any) -> None:
 
 # --------------------------------------------------------------------------- writing
 
-def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any]) -> None:
+def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any],
+                     sink: H5Sink | None = None) -> None:
     """Write one rank's shard as ``/rank/<r>`` into an open h5py file, verifying every
     tensor's bytes against the shard's checksum on the way (CorruptCheckpointError: the
-    shard is corrupt, nothing of it may reach the PFS), then seal the group."""
+    shard is corrupt, nothing of it may reach the PFS), then seal the group. With ``sink``
+    (the file under ``h5``), tensors of :data:`RAW_MIN` bytes or more become contiguous
+    datasets allocated at once and never filled, whose bytes ftkit writes at their place,
+    read from the shard piece by piece and hashed in the same pass (:func:`_write_raw`)."""
     h = shard.header
     grp = h5.create_group(f"rank/{h['rank']}")
     for key in ("rank", "step", "world", "job"):
         grp.attrs[key] = h[key]
     grp.attrs["tree"] = json.dumps(h["tree"])
     grp.attrs["topology"] = json.dumps(topology)
+    landing = None if sink is None else RawLanding(sink)
     for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
-        raw = shard.raw(i)
-        if checksum(raw) != t["checksum"]:
-            raise CorruptCheckpointError(
-                str(shard.path), f"tensor {t['path']!r} does not match its checksum "
-                f"{t['checksum']}: the node-local shard is corrupt and is not copied to the "
-                f"PFS", rank=h["rank"], step=h["step"], level="local")
         dtype = _storage_dtype(t)
-        data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
-        ds = grp.create_dataset(name, data=data, chunks=_chunks(data))
+        if landing is not None and t["nbytes"] >= RAW_MIN:
+            ds = _write_raw(grp, name, shard, i, dtype, landing)
+        else:
+            raw = shard.raw(i)
+            if checksum(raw) != t["checksum"]:
+                raise _corrupt_shard(shard, t)
+            data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
+            ds = grp.create_dataset(name, data=data)          # contiguous
         ds.attrs.update({"checksum": t["checksum"], "ftkit_kind": t["kind"],
                          "ftkit_dtype": t["dtype"], "ftkit_index": i,
                          "ftkit_raw": dtype is None, "ftkit_path": t["path"],
@@ -383,15 +378,45 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any]) -> None:
     seal(grp)
 
 
-def _write_atomic(path: Path, fill: Callable[[Any], None]) -> dict[str, Any]:
+def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | None,
+               landing: RawLanding) -> Any:
+    """A contiguous dataset for tensor ``index`` of ``shard``, its space allocated when it
+    is created and never filled by libhdf5; its bytes read from the shard and written at
+    the dataset's offset through ``landing``, checked against the tensor's checksum."""
+    h5py = _h5py()
+    t = shard.tensors[index]
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    shape = (t["nbytes"],) if dtype is None else tuple(t["shape"])
+    ds = grp.create_dataset(name, shape=shape, dtype=np.uint8 if dtype is None else dtype,
+                            dcpl=dcpl, fill_time="never")
+    offset = ds.id.get_offset()
+    if offset is None or ds.id.get_storage_size() != t["nbytes"]:
+        raise OSError(f"HDF5 allocated {ds.id.get_storage_size()} bytes at {offset} for "
+                      f"{t['nbytes']}-byte tensor {t['path']!r}")
+    landing.base = int(offset)
+    if not shard.read_through(index, landing):
+        raise _corrupt_shard(shard, t)
+    return ds
+
+
+def _corrupt_shard(shard: Shard, t: dict[str, Any]) -> CorruptCheckpointError:
+    h = shard.header
+    return CorruptCheckpointError(
+        str(shard.path), f"tensor {t['path']!r} does not match its checksum {t['checksum']}: "
+        f"the node-local shard is corrupt and is not copied to the PFS", rank=h["rank"],
+        step=h["step"], level="local")
+
+
+def _write_atomic(path: Path, fill: Callable[[Any, H5Sink], None]) -> dict[str, Any]:
     """Create an HDF5 file at ``path`` atomically: ``fill`` writes into a new private temp
     file (:func:`~ftkit.storage.shard.create_temp`), whose root is then sealed; fsync, file
     digest, rename, fsync of the directory. Written through :mod:`ftkit.storage.pfs.h5sink`, so a
     full or failing file system raises here, inside the caller's error handling, and nothing
     of the temp file (which is removed) can fail later. Returns the file digest (for
     COMMITTED, :mod:`ftkit.storage.pfs.h5files`)."""
-    def fill_sealed(h5: Any) -> None:
-        fill(h5)
+    def fill_sealed(h5: Any, sink: H5Sink) -> None:
+        fill(h5, sink)
         seal(h5)
     fd, tmp = create_temp(path)
     try:
@@ -413,10 +438,10 @@ def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[st
     """Write a file holding the rank groups of ``shards`` atomically (the layout of node
     files before rank files existed, still read; a rank file holds one); a corrupt shard
     raises CorruptCheckpointError and leaves no file. Returns its file digest."""
-    def fill(h5: Any) -> None:
+    def fill(h5: Any, sink: H5Sink) -> None:
         h5.attrs["format"] = FORMAT
         for shard in shards:
-            write_rank_group(h5, shard, topology[shard.header["rank"]])
+            write_rank_group(h5, shard, topology[shard.header["rank"]], sink)
     return _write_atomic(path, fill)
 
 
@@ -433,7 +458,7 @@ def write_node_links(path: Path, ranks: list[int]) -> dict[str, Any]:
     as one file with plain h5py. Atomic; returns its file digest."""
     h5py = _h5py()
 
-    def fill(h5: Any) -> None:
+    def fill(h5: Any, _sink: H5Sink) -> None:
         h5.attrs["format"] = FORMAT
         group = h5.create_group("rank")
         for rank in sorted(ranks):
@@ -447,7 +472,7 @@ def write_index(step_dir: Path, meta: dict[str, Any], rank_files: dict[int, str]
     group. Returns its file digest."""
     h5py = _h5py()
 
-    def fill(h5: Any) -> None:
+    def fill(h5: Any, _sink: H5Sink) -> None:
         h5.attrs.update({"format": FORMAT, "time": time.time(), **meta})
         ranks = h5.create_group("rank")
         for rank, fname in sorted(rank_files.items()):
