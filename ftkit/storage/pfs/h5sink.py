@@ -21,8 +21,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ftkit import passes
 
 
@@ -69,7 +67,7 @@ class H5Sink:
 
     def write_at(self, buf: Any, pos: int) -> int:
         """Write all of ``buf`` at ``pos`` (the position is not moved): libhdf5's writes,
-        and a dataset's raw bytes written at their place by ftkit (:class:`RawLanding`)."""
+        and a dataset's raw bytes written at their place by ftkit (``hdf5._write_raw``)."""
         view = memoryview(buf).cast("B")
         n = len(view)
         if not self.discarding:
@@ -103,29 +101,6 @@ class H5Sink:
     def discard(self) -> None:
         """The file is abandoned: from now on writes and truncates are dropped."""
         self.discarding = True
-
-
-class RawLanding:
-    """The :class:`ftkit.storage.shard.Landing` that writes a tensor's bytes, read from its
-    shard piece by piece into one reused buffer (hashed there by the reader), at their place
-    in the file: the raw data of a contiguous dataset allocated at ``base`` (set before each
-    tensor). libhdf5 never sees or buffers the bytes."""
-
-    piece = 4 << 20
-
-    def __init__(self, sink: H5Sink) -> None:
-        self.sink = sink
-        self.base = 0
-        self._buf: np.ndarray | None = None
-
-    def buffer(self, offset: int, n: int) -> np.ndarray:
-        if self._buf is None:
-            self._buf = np.empty(self.piece, dtype=np.uint8)
-        out: np.ndarray = self._buf[:n]
-        return out
-
-    def land(self, offset: int, piece: np.ndarray) -> None:
-        self.sink.write_at(piece, self.base + offset)
 
 
 def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> None:

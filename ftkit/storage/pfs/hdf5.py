@@ -38,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
+from ftkit import passes
 from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files
-from ftkit.storage.pfs.h5sink import H5Sink, RawLanding, write_new_file
-from ftkit.storage.shard import Shard, checksum, create_temp, fsync_dir, write_atomic
+from ftkit.storage.pfs.h5sink import H5Sink, write_new_file
+from ftkit.storage.shard import XXH3, Shard, checksum, create_temp, fsync_dir, write_atomic
 
 FORMAT = "ftkit-hdf5-2"
 INDEX = "ftkit.h5"
@@ -53,6 +55,7 @@ _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1"
              "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "bool": "|b1",
              "complex64": "<c8", "complex128": "<c16"}
 RAW_MIN = 64 << 10         # tensors from this size on: raw bytes written at their place
+RAW_PIECE = 1 << 20        # ... hashed and written in pieces of this size (in cache)
 
 
 def _h5py() -> Any:
@@ -351,18 +354,17 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any],
     shard is corrupt, nothing of it may reach the PFS), then seal the group. With ``sink``
     (the file under ``h5``), tensors of :data:`RAW_MIN` bytes or more become contiguous
     datasets allocated at once and never filled, whose bytes ftkit writes at their place,
-    read from the shard piece by piece and hashed in the same pass (:func:`_write_raw`)."""
+    hashed piece by piece in the same pass (:func:`_write_raw`)."""
     h = shard.header
     grp = h5.create_group(f"rank/{h['rank']}")
     for key in ("rank", "step", "world", "job"):
         grp.attrs[key] = h[key]
     grp.attrs["tree"] = json.dumps(h["tree"])
     grp.attrs["topology"] = json.dumps(topology)
-    landing = None if sink is None else RawLanding(sink)
     for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
         dtype = _storage_dtype(t)
-        if landing is not None and t["nbytes"] >= RAW_MIN:
-            ds = _write_raw(grp, name, shard, i, dtype, landing)
+        if sink is not None and t["nbytes"] >= RAW_MIN:
+            ds = _write_raw(grp, name, shard, i, dtype, sink)
         else:
             raw = shard.raw(i)
             if checksum(raw) != t["checksum"]:
@@ -379,10 +381,13 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any],
 
 
 def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | None,
-               landing: RawLanding) -> Any:
+               sink: H5Sink) -> Any:
     """A contiguous dataset for tensor ``index`` of ``shard``, its space allocated when it
-    is created and never filled by libhdf5; its bytes read from the shard and written at
-    the dataset's offset through ``landing``, checked against the tensor's checksum."""
+    is created and never filled by libhdf5; its bytes written at the dataset's offset
+    through ``sink`` from the mapped shard in :data:`RAW_PIECE` pieces, each hashed just
+    before it is written (one read of the shard, the piece still in cache for the write),
+    the whole checked against the tensor's checksum (a mismatch raises: the file is then
+    discarded)."""
     h5py = _h5py()
     t = shard.tensors[index]
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -394,8 +399,13 @@ def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | 
     if offset is None or ds.id.get_storage_size() != t["nbytes"]:
         raise OSError(f"HDF5 allocated {ds.id.get_storage_size()} bytes at {offset} for "
                       f"{t['nbytes']}-byte tensor {t['path']!r}")
-    landing.base = int(offset)
-    if not shard.read_through(index, landing):
+    raw, h = shard.raw(index), xxhash.xxh3_64()
+    for at in range(0, t["nbytes"], RAW_PIECE):
+        piece = raw[at:at + RAW_PIECE]
+        h.update(piece.data)
+        sink.write_at(piece, int(offset) + at)
+    passes.count("hash", t["nbytes"])
+    if XXH3 + h.hexdigest() != t["checksum"]:
         raise _corrupt_shard(shard, t)
     return ds
 
