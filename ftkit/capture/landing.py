@@ -1,7 +1,7 @@
 """Where a restored tensor's bytes land, piece by piece, when the reading may be given up.
 
 A PFS read runs on a thread under a no-progress deadline
-(:func:`ftkit.recovery.pfs_restore.read_with_deadline`): when the file system hangs, the
+(:func:`ftkit.recovery.pfs_restore.with_deadline`): when the file system hangs, the
 restore gives the read up and goes on (an older step, another level) while the thread may
 still be stuck in ``pread`` — and may wake up any time later. Such a thread must never write
 into the live tensors again: it would overwrite the step restored meanwhile, silently, while
