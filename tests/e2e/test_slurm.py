@@ -82,6 +82,7 @@ class Job:
                            FTKIT_TIMEOUT="60")
         self.env["FTKIT_LOCAL_DIR"] = str(tmp / "local")
         self.proc: subprocess.Popen[str] | None = None
+        self.sbatch_said = ""          # sbatch's own output (job id, its errors)
 
     def submit(self, *extra: str) -> None:
         self.proc = subprocess.Popen(["sbatch", "--wait", "--parsable", *extra,
@@ -92,7 +93,7 @@ class Job:
     def wait(self, timeout: float = 600) -> int:
         assert self.proc is not None
         try:
-            self.proc.communicate(timeout=timeout)
+            self.sbatch_said = self.proc.communicate(timeout=timeout)[0] or ""
         except subprocess.TimeoutExpired:
             self.proc.kill()
             _sh("scancel", "--name", self.name)
@@ -101,7 +102,10 @@ class Job:
         return self.proc.returncode
 
     def text(self) -> str:
-        return self.out.read_text(errors="replace") if self.out.exists() else "(no output)"
+        """The job's output file, after what sbatch itself printed (a job that failed
+        before writing anything says why there)."""
+        out = self.out.read_text(errors="replace") if self.out.exists() else "(no output)"
+        return f"[sbatch] {self.sbatch_said.strip()}\n{out}"
 
     def events(self) -> list[dict[str, Any]]:
         path = self.tmp / "pfs" / "slurm" / "events.jsonl"
