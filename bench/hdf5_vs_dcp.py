@@ -10,7 +10,9 @@ model, all under a rank-unique key (``r<rank>``) so that DCP's planner does not 
 names on different ranks as replicas and write them once.
 
 Measured, best of --repeat, all ranks between two barriers, files on the same file system
-(--pfs-root), every write fsynced:
+(--pfs-root), every write fsynced; the rounds alternate between the methods (saves and loads
+alike: this virtual disk slows down after a few GiB written, so back-to-back rounds of one
+method would see another disk than the next method's):
 
 * ``ftkit_hdf5_save``: ``PfsLevel.flush`` (every rank writes ``rank-<r>.h5`` from its
   node-local shard, all at once; node leaders a ``node-<id>.h5`` of links; fsync, index,
@@ -54,7 +56,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,8 +239,9 @@ class _Run:
         return before
 
 
-def _ftkit_saves(run: _Run, repeat: int) -> None:
-    """Sync saves to the PFS (flush timed inside); the leader's private memory meanwhile."""
+def _ftkit_saves(run: _Run, repeat: int) -> Iterator[None]:
+    """Sync saves to the PFS (flush timed inside); the leader's private memory meanwhile.
+    One round per ``next()`` (the caller alternates the methods' rounds)."""
     from memory import PrivatePeak, private_bytes
     from mpi4py import MPI
 
@@ -263,6 +266,7 @@ def _ftkit_saves(run: _Run, repeat: int) -> None:
             run.best("ftkit_save_total", _timed(run.comm, lambda s=step: ckpt.save(s, run.state),
                                                 lambda o=old: _rm(run.comm, *o)))
             run.best("ftkit_hdf5_save", run.comm.allreduce(flush_s[-1], op=MPI.MAX))
+            yield
     finally:
         ckpt.close()
 
@@ -283,13 +287,13 @@ def _ftkit_stall(run: _Run, repeat: int) -> None:
     _rm(run.comm, cfg.job_pfs_dir, cfg.job_local_dir)
 
 
-def _dcp_saves(run: _Run, repeat: int, threads: int) -> dict[str, Path]:
-    """DCP (1 and ``threads`` writer threads, async), torch.save; the directories last
-    written by each."""
+def _dcp_saves(run: _Run, repeat: int, threads: int, last: dict[str, Path]
+               ) -> Iterator[None]:
+    """DCP (1 and ``threads`` writer threads, async), torch.save, one round of each per
+    ``next()``; ``last``: the directories last written by each."""
     import torch
     import torch.distributed.checkpoint as dcp
     from mpi4py import MPI
-    last: dict[str, Path] = {}
 
     def fresh(name: str, i: int) -> Path:
         old = last.get(name)
@@ -326,7 +330,7 @@ def _dcp_saves(run: _Run, repeat: int, threads: int) -> dict[str, Path]:
                 fh.flush()
                 os.fsync(fh.fileno())
         run.best("torch_save", _timed(run.comm, tsave))
-    return last
+        yield
 
 
 def _loads(run: _Run, repeat: int, dirs: dict[str, Path], bound: Path) -> None:
@@ -399,11 +403,16 @@ def _child(args: argparse.Namespace) -> None:
         init_torch_distributed(comm, timeout_s=600)
         bound = pfs_root / f"bound-{rank}.bin"
         views = _raw_views(state)
-        for _ in range(args.repeat):
+        dirs: dict[str, Path] = {}
+        saves = (_ftkit_saves(run, args.repeat), _dcp_saves(run, args.repeat,
+                                                            args.dcp_threads, dirs))
+        for _ in range(args.repeat):      # rounds alternate: each method sees the same disk
             run.best("fs_write", _timed(comm, lambda: _fs_write(bound, views)))
-        _ftkit_saves(run, args.repeat)
+            for rounds in saves:
+                next(rounds)
+        for rounds in saves:
+            next(rounds, None)            # closes the Checkpointer
         _ftkit_stall(run, args.repeat)
-        dirs = _dcp_saves(run, args.repeat, args.dcp_threads)
         _loads(run, args.repeat, dirs, bound)
         flush_mib = comm.gather(run.flush_private, root=0)
         dist.destroy_process_group()
