@@ -125,19 +125,24 @@ def test_a_read_given_up_never_writes_the_live_state_later(tmp_path: Path,
         assert np.array_equal(live["model"][name], value), f"{name} written after restore"
 
 
-def test_gate_closed_drops_pieces_for_live_memory_only() -> None:
-    gate = Gate()
-    landing = GatedLanding(gate, piece=4)
-    live, fresh = np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
-    landing.start(live, True)
+def _land_across_the_close(landing: GatedLanding, dest: Any) -> None:
+    """Land 4 bytes of 1, close the gate, try to land 4 bytes of 2 (refused)."""
+    landing.start(dest, True)
     piece = landing.buffer(0, 4)
     piece[:] = 1
     landing.land(0, piece)
-    gate.close()
+    landing.gate.close()
     piece = landing.buffer(4, 4)
     piece[:] = 2
     with pytest.raises(Abandoned):
         landing.land(4, piece)
+    landing.finish()
+
+
+def test_gate_closed_drops_pieces_for_live_memory_only() -> None:
+    landing = GatedLanding(Gate(), piece=4)
+    live, fresh = np.zeros(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+    _land_across_the_close(landing, live)
     assert live.tolist() == [1] * 4 + [0] * 4
     landing.start(fresh, False)               # a new buffer nobody else sees: read directly
     piece = landing.buffer(4, 4)
@@ -269,17 +274,6 @@ def test_device_destinations_pass_the_gate_too() -> None:
     """A GPU tensor's pieces go through the pinned buffer of DeviceLanding; the same code
     copies into a CPU torch tensor, which is how it is tested here: the gate holds for it."""
     torch = pytest.importorskip("torch")
-    gate = Gate()
-    landing = GatedLanding(gate, piece=4)
     target = torch.zeros(8, dtype=torch.uint8)
-    landing.start(target, True)
-    piece = landing.buffer(0, 4)
-    piece[:] = 5
-    landing.land(0, piece)
-    gate.close()
-    piece = landing.buffer(4, 4)
-    piece[:] = 6
-    with pytest.raises(Abandoned):
-        landing.land(4, piece)
-    landing.finish()
-    assert target.tolist() == [5] * 4 + [0] * 4
+    _land_across_the_close(GatedLanding(Gate(), piece=4), target)
+    assert target.tolist() == [1] * 4 + [0] * 4
