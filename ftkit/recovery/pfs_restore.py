@@ -275,9 +275,10 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
                    if candidates else None)
     for step in candidates:
         ok, opened = tries.run(step, functools.partial(_open, pfs, step, state))
-        if not ok or opened is None:
-            if opened is not None:
-                opened.reader.close()
+        if opened is None:
+            continue
+        if not ok:                       # opened here, failed elsewhere
+            opened.reader.close()
             continue
         try:
             check_fits(dc, state, opened.reading.tree, step)     # nothing written unless all fit

@@ -3,9 +3,10 @@
 h5py reads a dataset into a new array: a restore would then copy it into the live tensor
 (a second pass over every byte, a page fault per page of the new array, a second copy of
 the state in memory) and could not be followed by a deadline piece by piece. ftkit's
-datasets are plain — contiguous (earlier ftkit versions wrote tensors above 64 MiB in chunks of
-rows: chunked along dimension 0 only), no filters, their data inside their own file (:func:`h5files.check_storage`, checked before any
-byte is read) — so their bytes lie at file offsets libhdf5 reports. :func:`spans` lists
+datasets are plain — contiguous (earlier versions wrote tensors above 64 MiB in chunks of
+rows: chunked along dimension 0 only), no filters, their data inside their own file
+(:func:`h5files.check_storage`, checked before any byte is read) — so their bytes lie at
+file offsets libhdf5 reports. :func:`spans` lists
 them; :func:`read_dataset` reads each piece with ``preadv`` into the landing's buffer
 (:class:`ftkit.storage.shard.Landing`), hashes it while it is in cache and lands it. A
 dataset stored any other way (compact, other chunk shapes, a type not laid out on disk as
@@ -24,6 +25,7 @@ import numpy as np
 import xxhash
 
 from ftkit import passes
+from ftkit.storage.pfs.hdf5 import raw_bytes
 from ftkit.storage.shard import XXH3, Landing
 
 #: (offset in the file, offset in the tensor's bytes, length)
@@ -83,7 +85,7 @@ def read_dataset(fd: int | None, ds: Any, nbytes: int, landing: Landing) -> str:
     reading (None: read through h5py). OSError / ValueError when the bytes cannot be read."""
     where = spans(ds, nbytes) if fd is not None else None
     if where is None:
-        raw = np.ascontiguousarray(ds[()]).reshape(-1).view(np.uint8)
+        raw = raw_bytes(ds[()])
         if raw.nbytes != nbytes:
             raise ValueError(f"read {raw.nbytes} bytes, expected {nbytes}")
         where = [(0, 0, nbytes)]

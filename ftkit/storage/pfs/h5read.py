@@ -24,6 +24,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from ftkit.capture.landing import GatedLanding
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5data, h5files
 from ftkit.storage.pfs.hdf5 import (
@@ -169,10 +170,10 @@ class StepReader:
         :meth:`read_into`. Raises CorruptCheckpointError."""
         group = self.group(rank)
         arrays = [np.empty(e["nbytes"], dtype=np.uint8) for e in group.entries]
-        landing = _Into()
+        landing = GatedLanding()
 
         def into(i: int) -> Landing:
-            landing.dest = arrays[i]
+            landing.start(arrays[i], live=False)      # new arrays: read into directly
             return landing
         self.read_into(group, into, verify=verify, progress=progress)
         return group, arrays
@@ -212,20 +213,6 @@ class StepReader:
         if key not in self._fds:
             self._fds[key] = h5files.open_regular(path, step=self.step, rank=rank)
         return self._fds[key]
-
-
-class _Into:
-    """Pieces read straight into ``dest`` (a new array nobody else sees)."""
-
-    piece = 16 << 20
-    dest: np.ndarray
-
-    def buffer(self, offset: int, n: int) -> np.ndarray:
-        out: np.ndarray = self.dest[offset:offset + n]
-        return out
-
-    def land(self, offset: int, piece: np.ndarray) -> None:
-        """The bytes are already in place."""
 
 
 def _rank_link(h5: Any, rank: int) -> Any:

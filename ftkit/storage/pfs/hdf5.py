@@ -347,14 +347,14 @@ def _only_hard_links(grp: Any) -> None:
 
 # --------------------------------------------------------------------------- writing
 
-def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any],
-                     sink: H5Sink | None = None) -> None:
+def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any], sink: H5Sink
+                     ) -> None:
     """Write one rank's shard as ``/rank/<r>`` into an open h5py file, verifying every
     tensor's bytes against the shard's checksum on the way (CorruptCheckpointError: the
-    shard is corrupt, nothing of it may reach the PFS), then seal the group. With ``sink``
-    (the file under ``h5``), tensors of :data:`RAW_MIN` bytes or more become contiguous
-    datasets allocated at once and never filled, whose bytes ftkit writes at their place,
-    hashed piece by piece in the same pass (:func:`_write_raw`)."""
+    shard is corrupt, nothing of it may reach the PFS), then seal the group. Tensors of
+    :data:`RAW_MIN` bytes or more become contiguous datasets allocated at once and never
+    filled, whose bytes ftkit writes at their place through ``sink`` (the file under
+    ``h5``), hashed piece by piece in the same pass (:func:`_write_raw`)."""
     h = shard.header
     grp = h5.create_group(f"rank/{h['rank']}")
     for key in ("rank", "step", "world", "job"):
@@ -363,7 +363,7 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any],
     grp.attrs["topology"] = json.dumps(topology)
     for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
         dtype = _storage_dtype(t)
-        if sink is not None and t["nbytes"] >= RAW_MIN:
+        if t["nbytes"] >= RAW_MIN:
             ds = _write_raw(grp, name, shard, i, dtype, sink)
         else:
             raw = shard.raw(i)
