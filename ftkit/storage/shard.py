@@ -8,7 +8,10 @@ Layout (little endian)::
     16  8   xxh3-64 of the header bytes (uint64)
     24  H   header: UTF-8 JSON
     ..      zero padding to a multiple of ALIGN
-    ..      tensor bytes, each starting at a multiple of ALIGN (offsets in the header)
+    ..      tensor bytes, each starting at a multiple of ALIGN (offsets in the header);
+            tensors of PAGE_MIN bytes or more at a multiple of PAGE (so a mapped shard can
+            be written to a file with ``O_DIRECT`` straight from the mapping; readers only
+            require ALIGN)
 
 The header holds the format version, job, step, rank, world size, topology coordinates, the
 JSON skeleton of the state tree and one entry per tensor: path, kind, dtype, shape, offset,
@@ -48,6 +51,8 @@ from ftkit.errors import CorruptCheckpointError
 MAGIC = b"FTKSHRD\0"
 VERSION = 1
 ALIGN = 64
+PAGE = 4096                   # large tensors' alignment (O_DIRECT's, any block size <= 4096)
+PAGE_MIN = 64 << 10           # tensors of this many bytes or more start at a PAGE multiple
 READ_CHUNK = 256 << 10        # read_into hashes what it read while it is still in cache
 _PREAMBLE = struct.Struct("<8sIIQ")
 
@@ -59,8 +64,8 @@ def checksum(buf: Any) -> str:
     return "xxh3-64:" + xxhash.xxh3_64_hexdigest(view)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
 
 
 def build_header(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
@@ -91,6 +96,7 @@ def layout(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
         pos = _align(_PREAMBLE.size + fixed + sum(len(str(off)) for off in offsets))
         new = []
         for lf in leaves:
+            pos = _align(pos, PAGE if lf.nbytes >= PAGE_MIN else ALIGN)
             new.append(pos)
             pos = _align(pos + lf.nbytes)
         if new == offsets:

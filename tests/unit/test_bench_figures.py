@@ -177,6 +177,8 @@ def test_pfs_goal_figures_carry_their_goal_and_direction() -> None:
     assert figs["pfs[node-local restore vs cold pfs restore]"]["ratio"] == pytest.approx(8.0)
     memory = figs["pfs[leader memory in a flush (MiB)]"]
     assert memory["value"] == 40.0 and memory["met"] is False                  # <= 16 MiB
+    flush = hdf5_vs_dcp.pfs_goals({**t, "fs_write_direct": 0.5}, 0.0)["flush vs disk write+fsync"]
+    assert flush["ratio"] == pytest.approx(0.5) and flush["met"] is False     # the faster bound
     part["pfs_goals"] = hdf5_vs_dcp.pfs_goals({"fs_write": 1.0}, 0.0)          # not measured
     assert [k for k in _figures.derive({"hdf5_vs_dcp": part}) if k.startswith("pfs[")] == \
         ["pfs[leader memory in a flush (MiB)]"]

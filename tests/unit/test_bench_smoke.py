@@ -97,10 +97,19 @@ def test_hdf5_vs_dcp_part(smoke: dict[str, Any]) -> None:
         _positive(rep["ratios"], ["ftkit_hdf5_save/torch_dcp_async_save"])
     methods = ["ftkit_hdf5_save", "ftkit_hdf5_load", "ftkit_save_total", "torch_dcp_save",
                "torch_dcp_load", "torch_save", "torch_load", "fs_write", "fs_read",
+               "fs_write_direct",
                "ftkit_local_load", "torch_dcp_save_threads"]
     _positive(rep["seconds"], methods)
     _positive(rep["gb_per_s"], methods)
-    _positive(rep["seconds"], ["ftkit_pfs_stall"])
+    _positive(rep["seconds"], ["ftkit_pfs_stall", "iteration_plain",
+                               "iteration_ftkit_pfs_save"])
+    if "torch_dcp_async_save_blocking" not in rep["skipped"]:
+        _positive(rep["seconds"], ["torch_dcp_async_save_blocking",
+                                   "iteration_dcp_async_save"])
+    assert rep["stall_state_bytes_per_rank"] > 0         # a trained MLP + Adam
+    assert rep["statistic"].startswith("median")
+    for name, (lo, hi) in rep["spread"].items():        # every figure: median of its rounds
+        assert lo <= rep["seconds"][name] <= hi and len(rep["rounds"][name]) >= 1, name
     goals = rep["pfs_goals"]
     assert {"durable vs dcp save", "flush vs disk write+fsync", "cold restore vs dcp load",
             "node-local restore vs cold pfs restore",

@@ -14,14 +14,35 @@ instead. The sink writes with ``pwrite`` on a descriptor ftkit owns and keeps th
 gives up on the file (:meth:`H5Sink.discard`), every further write and truncate is dropped, so
 closing the file always succeeds inside the writer's own error handling; the caller removes
 the file. Nothing of the abandoned file can fail later.
+
+**Bulk bytes bypass the page cache.** A dataset's raw bytes written at their place
+(:meth:`H5Sink.write_bulk`) go through a second descriptor of the same file opened with
+``O_DIRECT`` where the file system allows it: from the mapped node-local shard straight to
+the device, no copy into the page cache, no write-back left for ``fsync``. On this machine's
+disk that made a parallel write of 4 x 256 MiB steady at the device's speed where buffered
+writes of the same bytes varied by 2-4x from round to round. Only whole ``DIRECT_ALIGN``
+blocks at aligned offsets from aligned memory go direct (the datasets are aligned in the
+file, the tensors in the shard); the rest, libhdf5's metadata and any file system that refuses
+``O_DIRECT`` (``EINVAL``: tmpfs, some FUSE file systems) use the ordinary descriptor. Both
+descriptors write disjoint blocks of one file, and ``fsync`` of either makes all of it durable.
 """
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ftkit import passes
+from ftkit.storage.shard import PAGE, PAGE_MIN
+
+#: what ``O_DIRECT`` needs aligned: file offsets, lengths and memory addresses (4096 covers
+#: every logical block size of today's devices; large tensors are so aligned in a shard)
+DIRECT_ALIGN = PAGE
+#: datasets of this many bytes or more start at a ``DIRECT_ALIGN`` multiple in new files
+DIRECT_MIN = PAGE_MIN
 
 
 class H5Sink:
@@ -29,8 +50,9 @@ class H5Sink:
     (``seek``/``tell``/``read``/``readinto``/``write``/``truncate``/``flush``). Not
     thread-safe: one writer at a time (h5py serialises calls into libhdf5)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, direct_fd: int | None = None) -> None:
         self.fd = fd
+        self.direct_fd = direct_fd       # the same file opened with O_DIRECT, if it could be
         self.pos = 0
         self.error: OSError | None = None    # the first write error
         self.discarding = False
@@ -83,6 +105,36 @@ class H5Sink:
                 raise
         return n
 
+    def write_bulk(self, buf: np.ndarray, pos: int) -> int:
+        """Write all of the contiguous array ``buf`` at ``pos`` like :meth:`write_at`, its
+        whole aligned blocks with ``O_DIRECT`` when ``pos`` and ``buf``'s address are
+        aligned (the tail through the ordinary descriptor). A file system that refuses a
+        direct write (``EINVAL``) gets every later write through the ordinary descriptor."""
+        head = buf.nbytes - buf.nbytes % DIRECT_ALIGN
+        if (self.direct_fd is None or self.discarding or head == 0 or pos % DIRECT_ALIGN
+                or buf.ctypes.data % DIRECT_ALIGN):
+            return self.write_at(buf, pos)
+        view = buf.data.cast("B")
+        if self.error is not None:
+            raise self.error
+        done = 0
+        try:
+            while done < head:
+                done += os.pwrite(self.direct_fd, view[done:head], pos + done)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                self.error = exc
+                raise
+            self.close_direct()             # not for this file system: the ordinary way
+        passes.count("write", done)
+        self.write_at(view[done:], pos + done)
+        return buf.nbytes
+
+    def close_direct(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
+
     def truncate(self, size: int | None = None) -> int:
         size = self.pos if size is None else size
         if not self.discarding:
@@ -112,10 +164,11 @@ def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> 
     file system's own ``OSError`` (errno and ``where`` named) when a write failed, else what
     ``fill`` raised. The caller removes the file then."""
     import h5py
-    sink = H5Sink(fd)
+    sink = H5Sink(fd, _reopen_direct(fd))
     h5 = None
     try:
-        h5 = h5py.File(sink, "w")
+        h5 = h5py.File(sink, "w", alignment_threshold=DIRECT_MIN,
+                       alignment_interval=DIRECT_ALIGN)
         fill(h5, sink)
         h5.close()
         os.fsync(fd)
@@ -127,3 +180,18 @@ def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> 
         if isinstance(err, OSError) and err.errno is not None and not err.filename:
             raise OSError(err.errno, f"{err.strerror or err} (writing {where})") from exc
         raise
+    finally:
+        sink.close_direct()
+
+
+def _reopen_direct(fd: int) -> int | None:
+    """A second write descriptor of the file open at ``fd``, with ``O_DIRECT`` (through
+    ``/proc/self/fd``: the same file, whatever happens to its name), or None where there is
+    no ``O_DIRECT`` or the file system refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | flag)
+    except OSError:
+        return None

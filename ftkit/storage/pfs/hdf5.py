@@ -45,7 +45,15 @@ from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files
 from ftkit.storage.pfs.h5sink import H5Sink, write_new_file
-from ftkit.storage.shard import XXH3, Shard, checksum, create_temp, fsync_dir, write_atomic
+from ftkit.storage.shard import (
+    PAGE_MIN,
+    XXH3,
+    Shard,
+    checksum,
+    create_temp,
+    fsync_dir,
+    write_atomic,
+)
 
 FORMAT = "ftkit-hdf5-2"
 INDEX = "ftkit.h5"
@@ -54,8 +62,8 @@ META = "meta_checksum"
 _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1",
              "int16": "<i2", "int32": "<i4", "int64": "<i8", "uint8": "|u1", "bool": "|b1",
              "complex64": "<c8", "complex128": "<c16"}
-RAW_MIN = 64 << 10         # tensors from this size on: raw bytes written at their place
-RAW_PIECE = 1 << 20        # ... hashed and written in pieces of this size (in cache)
+RAW_MIN = PAGE_MIN         # tensors from this size on: raw bytes written at their place
+RAW_PIECE = 4 << 20        # ... hashed and written in pieces of this size
 
 
 def _h5py() -> Any:
@@ -384,10 +392,10 @@ def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | 
                sink: H5Sink) -> Any:
     """A contiguous dataset for tensor ``index`` of ``shard``, its space allocated when it
     is created and never filled by libhdf5; its bytes written at the dataset's offset
-    through ``sink`` from the mapped shard in :data:`RAW_PIECE` pieces, each hashed just
-    before it is written (one read of the shard, the piece still in cache for the write),
-    the whole checked against the tensor's checksum (a mismatch raises: the file is then
-    discarded)."""
+    through ``sink`` from the mapped shard in :data:`RAW_PIECE` pieces (``O_DIRECT`` where
+    the file system allows: :meth:`H5Sink.write_bulk`), each hashed just before it is
+    written, the whole checked against the tensor's checksum (a mismatch raises: the file
+    is then discarded)."""
     h5py = _h5py()
     t = shard.tensors[index]
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -403,7 +411,7 @@ def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | 
     for at in range(0, t["nbytes"], RAW_PIECE):
         piece = raw[at:at + RAW_PIECE]
         h.update(piece.data)
-        sink.write_at(piece, int(offset) + at)
+        sink.write_bulk(piece, int(offset) + at)
     passes.count("hash", t["nbytes"])
     if XXH3 + h.hexdigest() != t["checksum"]:
         raise _corrupt_shard(shard, t)
