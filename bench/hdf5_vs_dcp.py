@@ -363,9 +363,10 @@ def _child(args: argparse.Namespace) -> None:
         for _ in range(args.repeat):      # rounds alternate: each method sees the same disk
             run.add("fs_write", _timed(comm, lambda: _disk.fs_write(bound, views)))
             run.add("fs_write_direct",
-                    _timed(comm, lambda: _disk.fs_write_direct(bound, direct)))
+                    _timed(comm, lambda d=direct: _disk.fs_write_direct(bound, d)))
             for rounds in saves:
                 next(rounds)
+        del direct
         for rounds in saves:
             next(rounds, None)            # closes the Checkpointer
         _stall.measure(run, args.repeat, _timed, _rm)
