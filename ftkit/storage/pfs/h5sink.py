@@ -23,8 +23,9 @@ disk that made a parallel write of 4 x 256 MiB steady at the device's speed wher
 writes of the same bytes varied by 2-4x from round to round. Only whole ``DIRECT_ALIGN``
 blocks at aligned offsets from aligned memory go direct (the datasets are aligned in the
 file, the tensors in the shard); the rest, libhdf5's metadata and any file system that refuses
-``O_DIRECT`` (``EINVAL``: tmpfs, some FUSE file systems) use the ordinary descriptor. Both
-descriptors write disjoint blocks of one file, and ``fsync`` of either makes all of it durable.
+``O_DIRECT`` (``EINVAL`` at open or at the first write: tmpfs of older kernels, some FUSE
+file systems) use the ordinary descriptor. Both descriptors write disjoint blocks of one
+file, and ``fsync`` of either makes all of it durable.
 """
 from __future__ import annotations
 
