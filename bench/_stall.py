@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 #: rows of the training batch
@@ -81,8 +80,6 @@ def measure(run: Any, repeat: int, timed: Callable[..., float], rm: Callable[...
     the module doc; a DCP that cannot ``async_save`` here is recorded in ``run.skipped``
     and only ftkit is measured). ``timed``/``rm``: the benchmark's barrier-timed call and
     collective remove. All ranks call."""
-    import dataclasses as dc
-
     import torch.distributed.checkpoint as dcp
     from mpi4py import MPI
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -94,9 +91,8 @@ def measure(run: Any, repeat: int, timed: Callable[..., float], rm: Callable[...
     state = {f"r{rank}": {"model": t.model, "optim": t.opt}}
     model_sd, optim_sd = get_state_dict(t.model, t.opt)
     plain = {f"r{rank}": {"model": model_sd, "optim": optim_sd}}
-    cfg = dc.replace(run.cfg, async_=True, job=run.cfg.job + "-train")
+    cfg = dataclasses.replace(run.cfg, async_=True, job=run.cfg.job + "-train")
     ckpt = Checkpointer(run.topo, cfg)
-    dcp_dir: list[Path] = []
 
     def ftkit_round(step: int) -> None:
         n0 = len(ckpt.blocked_seconds)
@@ -108,7 +104,6 @@ def measure(run: Any, repeat: int, timed: Callable[..., float], rm: Callable[...
 
     def dcp_round(i: int) -> None:
         d, blocked, pending = run.pfs_root / f"train-dcp-{i}", [0.0], []
-        dcp_dir.append(d)
 
         def iteration() -> None:
             t0 = time.perf_counter()
