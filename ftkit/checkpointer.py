@@ -52,7 +52,8 @@ from ftkit.recovery import restore as recovery
 from ftkit.recovery.claim import JobClaim
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
-from ftkit.storage.pfs.level import PfsLevel, remove_steps
+from ftkit.storage.pfs.level import PfsLevel
+from ftkit.storage.pfs.retention import remove_steps
 from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)

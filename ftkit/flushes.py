@@ -79,14 +79,17 @@ class Flushes:
             self._futures.popleft()
 
     def finish(self, result: Callable[[cf.Future[None], str], None]) -> None:
-        """Wait for every flush, then flush a delayed step (its turn now) and wait for it.
-        ``result(future, what)`` waits for one (aborting the world past its patience). All
-        ranks call at the same point."""
+        """Wait for every flush, then flush a delayed step (its turn now) and wait for it,
+        and for the deletion of the steps retention retired. ``result(future, what)``
+        waits for one (aborting the world past its patience). All ranks call at the same
+        point."""
         self._drain(result)
         if self.delayed is not None:
             step, self.delayed = self.delayed, None
             self._start(step)
             self._drain(result)
+        if self.pfs is not None:
+            self.pfs.settle()                  # rank 0: retired steps' files are gone
 
     def shutdown(self) -> None:
         """Stop the flush thread (after :meth:`finish`). Local."""

@@ -60,13 +60,25 @@ def test_defaults_on_one_machine_and_one_job_per_run(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_torchrun_without_an_mpi_world_is_refused(tmp_path: Path) -> None:
     """Under real ``torchrun --nproc-per-node 2`` each process is rank 0 of a 1-process MPI
-    world: ``Topology.create`` refuses on both, naming the launcher and how to launch."""
+    world: ``Topology.create`` refuses on both, naming the launcher and how to launch. (Each
+    process prints its error, then both meet in a gloo barrier before raising it: torchrun
+    SIGTERMs the other processes as soon as one fails, which raced a slower process's
+    message.)"""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.is_file():
         pytest.skip(f"no torchrun next to {sys.executable}")
     script = tmp_path / "train.py"
-    script.write_text("from mpi4py import MPI\nimport ftkit\n"
-                      "ftkit.Topology.create(MPI.COMM_WORLD)\nprint('created')\n")
+    script.write_text(
+        "import datetime\nimport torch.distributed as dist\nfrom mpi4py import MPI\n"
+        "import ftkit\n"
+        "try:\n"
+        "    ftkit.Topology.create(MPI.COMM_WORLD)\n"
+        "except Exception as exc:\n"
+        "    print(f'{type(exc).__name__}: {exc}', flush=True)\n"
+        "    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+        "    dist.barrier()\n"
+        "    raise\n"
+        "print('created')\n")
     env = job_env(tmp_path)
     res = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--standalone", str(script)],
                          check=False, cwd=tmp_path, env=env, capture_output=True, text=True,

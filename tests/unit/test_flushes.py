@@ -36,6 +36,9 @@ class _Pfs:
     def step_dir(self, step: int) -> Path:
         return Path(f"/pfs/step-{step}")
 
+    def settle(self) -> None:
+        """Nothing is deleted in the background here."""
+
 
 def _flushes(pfs: _Pfs, *, background: bool = False, wait_mode: bool = False
              ) -> tuple[Flushes, list[tuple[str, dict[str, Any]]], list[str]]:

@@ -1,8 +1,10 @@
 """PFS retention (``FTKIT_PFS_KEEP``): after step s is committed, rank 0 removes the committed
-steps below s beyond the newest N; records go first; newer-numbered steps are left alone."""
+steps below s beyond the newest N; records go first (in the flush), files after (behind the
+training, by the reaper thread); newer-numbered steps are left alone."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from ftkit import Config
 from ftkit.errors import ConfigError
 from ftkit.storage.pfs import hdf5
-from ftkit.storage.pfs.level import prune_steps
+from ftkit.storage.pfs.retention import Reaper, remove_files, retract_steps
 from ftkit.storage.stepnames import step_name
 
 
@@ -23,6 +25,12 @@ def _job(tmp_path: Path, committed: list[int], incomplete: list[int]) -> Path:
         if step in committed:
             hdf5.write_commit(d, {"step": step, "world": 1, "files": {}})
     return job
+
+
+def prune_steps(job: Path, newest: int, keep: int) -> list[int]:
+    gone = retract_steps(job, newest, keep)
+    remove_files(job, gone)
+    return gone
 
 
 def _listing(job: Path) -> dict[str, bool]:
@@ -62,3 +70,33 @@ def test_pfs_keep_must_be_a_positive_count(raw: str) -> None:
     assert Config.load(env={}).pfs_keep == 2
     with pytest.raises(ConfigError, match="FTKIT_PFS_KEEP"):
         Config.load(env={"FTKIT_PFS_KEEP": raw})
+
+
+def test_the_reaper_deletes_behind_the_caller_and_wait_waits(tmp_path, monkeypatch) -> None:
+    """The flush only retracts (durably); the files go on the reaper's thread, so the flush
+    returns while they are still being deleted; ``wait`` (the next flush, ``Checkpointer.wait``,
+    ``close``) returns once they are gone."""
+    job = _job(tmp_path, committed=[1, 2, 3], incomplete=[])
+    release, entered = threading.Event(), threading.Event()
+    real = shutil.rmtree
+
+    def slow(path: Path, *args: object, **kwargs: object) -> None:
+        entered.set()
+        assert release.wait(30)
+        real(path, *args, **kwargs)        # type: ignore[arg-type]
+    monkeypatch.setattr(shutil, "rmtree", slow)
+    reaper = Reaper()
+    gone = retract_steps(job, 3, 1)
+    reaper.remove(job, gone)                          # returns with the deletion pending
+    assert gone == [1, 2] and entered.wait(30)
+    assert _listing(job) == {step_name(1): False, step_name(2): False, step_name(3): True}
+    waiter = threading.Thread(target=reaper.wait)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()                          # still deleting: wait blocks
+    release.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert _listing(job) == {step_name(3): True}
+    reaper.close()
+

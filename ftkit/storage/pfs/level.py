@@ -19,8 +19,9 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
 3. rank 0 writes the index ``ftkit.h5`` (fsync, rename) and then ``COMMITTED`` (with the run
    id, the node of every rank and the digest of every file, under its own checksum); all
    ranks agree that it did;
-4. retention: rank 0 removes the committed steps older than the ``FTKIT_PFS_KEEP`` newest
-   (:func:`prune_steps`) — only now, after a newer step is committed.
+4. retention: rank 0 retracts the committed steps older than the ``FTKIT_PFS_KEEP`` newest
+   — only now, after a newer step is committed — and its reaper thread deletes their files
+   behind the training (:mod:`ftkit.storage.pfs.retention`).
 
 A crash anywhere before 3 leaves a step without ``COMMITTED``, which restore ignores and
 ``inspect`` shows as incomplete — never a mix of two timelines under one record. An agreed
@@ -42,6 +43,7 @@ from ftkit.config import Config
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.pfs import hdf5
+from ftkit.storage.pfs.retention import Reaper, retract_steps
 from ftkit.storage.shard import Shard, fsync_dir
 from ftkit.storage.stepnames import step_dirs, step_name
 from ftkit.testing.faults import Faults
@@ -61,10 +63,16 @@ class PfsLevel:
         self.run_id = run_id              # written as ``run`` in the index and COMMITTED
         self.dc = dc                      # world (a DistComm of the PFS level's own)
         self.pruned: list[int] = []       # rank 0: steps the last flush's retention removed
+        self._reaper = Reaper()           # rank 0: deletes retired steps' files
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
 
+    def settle(self) -> None:
+        """Wait until the files of every step retention retired are deleted (local)."""
+        self._reaper.wait()
+
     def free(self) -> None:
-        """Release the level's communicator (local)."""
+        """Finish deleting retired steps, release the level's communicator (local)."""
+        self._reaper.close()
         self.dc.free()
 
     def step_dir(self, step: int) -> Path:
@@ -99,7 +107,8 @@ class PfsLevel:
         self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
         seconds = time.monotonic() - t0
         if self.topo.rank == 0:
-            self.pruned = prune_steps(self.config.job_pfs_dir, step, self.config.pfs_keep)
+            self.pruned = retract_steps(self.config.job_pfs_dir, step, self.config.pfs_keep)
+            self._reaper.remove(self.config.job_pfs_dir, self.pruned)
         return seconds
 
     def _agreed(self, fn: Callable[[], T], step: int, *,
@@ -139,7 +148,9 @@ class PfsLevel:
     def _prepare(self, step: int) -> None:
         """Rank 0: create the step directory durably; retract an old COMMITTED record of the
         same step number before anything of the step is rewritten; remove what crashed
-        flushes left (incomplete step directories, temp files)."""
+        flushes left (incomplete step directories, temp files), once the previous flush's
+        retired steps are gone."""
+        self._reaper.wait()
         hdf5.make_step_dir(self.step_dir(step))
         if hdf5.retract_commit(self.step_dir(step)):
             log.warning("PFS step %d is written again (an older timeline's step %d was "
@@ -209,49 +220,3 @@ def io_allowance(dc: DistComm, topo: Topology, nbytes: int, phase: str, step: in
 def _version() -> str:
     from ftkit import __version__
     return __version__
-
-
-def prune_steps(job_dir: Path, newest: int, keep: int) -> list[int]:
-    """Rank 0, right after PFS step ``newest`` was committed: remove the committed steps
-    older than the ``keep`` newest ones up to ``newest`` (``FTKIT_PFS_KEEP``). Each step's
-    COMMITTED record goes first, durably, then its files, so a crash midway leaves an
-    incomplete step (removed by the next flush), never a committed one with files missing.
-    Steps numbered above ``newest`` are left alone: they belong to a timeline a restore
-    abandoned and are retracted when their number is flushed again. Failures are logged,
-    never raised (the flush that committed ``newest`` stands): a step whose record cannot
-    be removed stays committed; one whose files cannot all go is incomplete, and the next
-    flush removes it. Local; returns the steps no longer committed, oldest first."""
-    committed = sorted((s for s, d in step_dirs(job_dir)
-                        if s <= newest and (d / hdf5.COMMITTED).is_file()), reverse=True)
-    gone = []
-    for step in sorted(committed[keep:]):
-        d = job_dir / step_name(step)
-        try:
-            hdf5.retract_commit(d)
-        except OSError as exc:
-            log.warning("could not remove PFS step %d (FTKIT_PFS_KEEP=%d): %s; it stays "
-                        "committed", step, keep, exc)
-            continue
-        try:
-            shutil.rmtree(d)
-        except OSError as exc:
-            log.warning("removing PFS step %d (FTKIT_PFS_KEEP=%d): %s; it is no longer "
-                        "committed, the next flush removes what is left", step, keep, exc)
-        gone.append(step)
-    if gone:
-        fsync_dir(job_dir)
-    return gone
-
-
-def remove_steps(job_dir: Path) -> list[int]:
-    """Delete every PFS step under ``job_dir`` (an explicit fresh start; the event log and
-    the run record stay). Each step's COMMITTED record goes first, durably, so a crash midway
-    leaves incomplete steps only. Returns the steps removed. Local; rank 0 only."""
-    if not job_dir.is_dir():
-        return []
-    found = step_dirs(job_dir)
-    for _, path in found:
-        hdf5.retract_commit(path)
-        shutil.rmtree(path, ignore_errors=True)
-    fsync_dir(job_dir)
-    return [step for step, _ in found]
