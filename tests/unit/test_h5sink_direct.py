@@ -22,7 +22,7 @@ from ftkit.storage.pfs import hdf5
 from ftkit.storage.pfs.h5sink import DIRECT_ALIGN, H5Sink
 from ftkit.storage.shard import Shard, write_shard
 
-STATE = {"big": np.arange(1 << 19, dtype=np.float32),                  # 2 MiB
+STATE = {"big": np.arange(9 << 18, dtype=np.float32),                  # 9 MiB: 3 pieces
          "odd": np.arange((1 << 18) + 25, dtype=np.float32),           # not whole blocks
          "small": np.arange(100, dtype=np.int64)}
 
@@ -157,5 +157,5 @@ def test_other_errors_of_a_direct_write_are_the_writers_error(
     assert again.value is err.value
     sink.discard()                                       # ... until the file is abandoned
     assert sink.write_bulk(_aligned(DIRECT_ALIGN), 0) == DIRECT_ALIGN
-    sink.close_direct()
+    sink.close()
     os.close(sink.fd)

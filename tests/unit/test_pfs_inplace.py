@@ -254,8 +254,9 @@ def test_large_tensors_are_written_at_their_place(tmp_path: Path) -> None:
 
 def test_a_corrupt_shard_written_at_its_place_leaves_no_file(tmp_path: Path) -> None:
     """The raw path checks the shard's checksum too: a flipped byte in the last piece of a
-    large tensor raises and nothing of the file remains."""
-    state = {"w": np.arange(hdf5.RAW_MIN, dtype=np.float32)}
+    large tensor (three pieces, hashed ahead of their writes) raises and nothing of the file
+    remains."""
+    state = {"w": np.arange(2 * hdf5.RAW_PIECE // 4 + 7, dtype=np.float32)}
     tree, leaves = flatten(state)
     path = tmp_path / "rank-0.ftk"
     write_shard(path, {"job": "j", "step": 3, "rank": 0, "world": 1}, tree, leaves,

@@ -126,12 +126,15 @@ class H5Sink:
             if exc.errno != errno.EINVAL:
                 self.error = exc
                 raise
-            self.close_direct()             # not for this file system: the ordinary way
+            os.close(self.direct_fd)        # not for this file system: the ordinary way
+            self.direct_fd = None
         passes.count("write", done)
         self.write_at(view[done:], pos + done)
         return buf.nbytes
 
-    def close_direct(self) -> None:
+    def close(self) -> None:
+        """After the file is closed or abandoned: close the direct descriptor (not ``fd``:
+        the caller's)."""
         if self.direct_fd is not None:
             os.close(self.direct_fd)
             self.direct_fd = None
@@ -182,7 +185,7 @@ def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> 
             raise OSError(err.errno, f"{err.strerror or err} (writing {where})") from exc
         raise
     finally:
-        sink.close_direct()
+        sink.close()
 
 
 def _reopen_direct(fd: int) -> int | None:

@@ -28,12 +28,13 @@ stored dtype and shape) and the tree against the datasets. Files without the che
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -369,33 +370,41 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any], sink: H5Si
         grp.attrs[key] = h[key]
     grp.attrs["tree"] = json.dumps(h["tree"])
     grp.attrs["topology"] = json.dumps(topology)
-    for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
-        dtype = _storage_dtype(t)
-        if t["nbytes"] >= RAW_MIN:
-            ds = _write_raw(grp, name, shard, i, dtype, sink)
-        else:
-            raw = shard.raw(i)
-            if checksum(raw) != t["checksum"]:
-                raise _corrupt_shard(shard, t)
-            data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
-            ds = grp.create_dataset(name, data=data)          # contiguous
-        ds.attrs.update({"checksum": t["checksum"], "ftkit_kind": t["kind"],
-                         "ftkit_dtype": t["dtype"], "ftkit_index": i,
-                         "ftkit_raw": dtype is None, "ftkit_path": t["path"],
-                         "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
-                         "global_shape": list(t["shape"]) or [0], "shard_offset": 0,
-                         "shard_dim": -1})
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-h5-hash") as hasher:
+        for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
+            _write_tensor(grp, name, shard, i, sink, hasher)
     seal(grp)
 
 
+def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
+                  hasher: cf.ThreadPoolExecutor) -> None:
+    """Tensor ``i`` of ``shard`` as dataset ``name`` of ``grp``, checked, with its attributes."""
+    t = shard.tensors[i]
+    dtype = _storage_dtype(t)
+    if t["nbytes"] >= RAW_MIN:
+        ds = _write_raw(grp, name, shard, i, dtype, sink, hasher)
+    else:
+        raw = shard.raw(i)
+        if checksum(raw) != t["checksum"]:
+            raise _corrupt_shard(shard, t)
+        data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
+        ds = grp.create_dataset(name, data=data)          # contiguous
+    ds.attrs.update({"checksum": t["checksum"], "ftkit_kind": t["kind"],
+                     "ftkit_dtype": t["dtype"], "ftkit_index": i,
+                     "ftkit_raw": dtype is None, "ftkit_path": t["path"],
+                     "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
+                     "global_shape": list(t["shape"]) or [0], "shard_offset": 0,
+                     "shard_dim": -1})
+
+
 def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | None,
-               sink: H5Sink) -> Any:
+               sink: H5Sink, hasher: cf.ThreadPoolExecutor) -> Any:
     """A contiguous dataset for tensor ``index`` of ``shard``, its space allocated when it
     is created and never filled by libhdf5; its bytes written at the dataset's offset
     through ``sink`` from the mapped shard in :data:`RAW_PIECE` pieces (``O_DIRECT`` where
-    the file system allows: :meth:`H5Sink.write_bulk`), each hashed just before it is
-    written, the whole checked against the tensor's checksum (a mismatch raises: the file
-    is then discarded)."""
+    the file system allows: :meth:`H5Sink.write_bulk`), each hashed before it is written
+    (:func:`_hashed_pieces`), the whole checked against the tensor's checksum (a mismatch
+    raises: the file is then discarded)."""
     h5py = _h5py()
     t = shard.tensors[index]
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -408,14 +417,30 @@ def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | 
         raise OSError(f"HDF5 allocated {ds.id.get_storage_size()} bytes at {offset} for "
                       f"{t['nbytes']}-byte tensor {t['path']!r}")
     raw, h = shard.raw(index), xxhash.xxh3_64()
-    for at in range(0, t["nbytes"], RAW_PIECE):
-        piece = raw[at:at + RAW_PIECE]
-        h.update(piece.data)
+    for at, piece in _hashed_pieces(raw, h, hasher):
         sink.write_bulk(piece, int(offset) + at)
     passes.count("hash", t["nbytes"])
     if XXH3 + h.hexdigest() != t["checksum"]:
         raise _corrupt_shard(shard, t)
     return ds
+
+
+def _hashed_pieces(raw: np.ndarray, h: Any, hasher: cf.ThreadPoolExecutor
+                   ) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset, piece)`` of ``raw`` in :data:`RAW_PIECE` pieces, each yielded once ``h``
+    has hashed it; the next piece is hashed on ``hasher``'s thread while the caller writes
+    this one (xxhash holds the GIL, a write releases it: hashing the next piece on the
+    caller's thread instead would wait for the GIL, not overlap). A hash still running when
+    the caller gives up ends before ``hasher`` shuts down, before the shard is unmapped."""
+    def ahead(at: int) -> cf.Future[None] | None:
+        return hasher.submit(h.update, raw[at:at + RAW_PIECE].data) \
+            if at < raw.nbytes else None
+    pending = ahead(0)
+    for at in range(0, raw.nbytes, RAW_PIECE):
+        assert pending is not None
+        pending.result()
+        pending = ahead(at + RAW_PIECE)
+        yield at, raw[at:at + RAW_PIECE]
 
 
 def _corrupt_shard(shard: Shard, t: dict[str, Any]) -> CorruptCheckpointError:
