@@ -24,7 +24,7 @@ from ftkit.storage.pfs import hdf5
 from ftkit.storage.shard import fsync_dir
 from ftkit.storage.stepnames import step_dirs, step_name
 
-log = logging.getLogger("ftkit.storage.pfs.level")
+log = logging.getLogger("ftkit.storage.pfs.level")    # where retention logged before it moved
 
 
 def retract_steps(job_dir: Path, newest: int, keep: int) -> list[int]:
