@@ -25,6 +25,10 @@ START_MODES = ("resume", "fresh")
 #: (``ftkit.flushes.Flushes.schedule``): ``delay`` it (training never waits; a newer due step
 #: skips a delayed one) or ``wait`` for the previous flush (every due step is flushed).
 BACKPRESSURE_MODES = ("delay", "wait")
+#: ``FTKIT_PFS_FILES``: how a PFS step is laid out in files: ``rank`` (every rank writes its
+#: own ``rank-<r>.h5``, the default) or ``shared`` (one ``ranks.h5`` written by all ranks
+#: through parallel h5py, which it needs: ``ftkit.storage.pfs.h5shared``)
+PFS_FILES_MODES = ("rank", "shared")
 #: ``FTKIT_TIMEOUT`` bounds, seconds: below 1 s a busy node misses control messages; past
 #: 7 days a stuck phase is never noticed (and a bogus ``inf`` or ``1e-9`` is a typo).
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 86400.0
@@ -82,6 +86,7 @@ class Config:
     rs_parity: int = 2
     pfs_keep: int = 2                # committed PFS steps kept (older ones removed)
     pfs_backpressure: str = "delay"  # a flush still running: delay the next, or wait
+    pfs_files: str = "rank"          # a file per rank, or one shared file (parallel h5py)
     ranks_per_node: int = 0          # 0 = detect real nodes
     async_: bool = True
     timeout: float = 120.0
@@ -126,7 +131,8 @@ class Config:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"FTKIT_LOG_LEVEL: {self.log_level!r}; valid: {', '.join(LOG_LEVELS)}")
         object.__setattr__(self, "log_level", self.log_level.upper())
-        for field, modes in (("start", START_MODES), ("pfs_backpressure", BACKPRESSURE_MODES)):
+        for field, modes in (("start", START_MODES), ("pfs_backpressure", BACKPRESSURE_MODES),
+                             ("pfs_files", PFS_FILES_MODES)):
             object.__setattr__(self, field, _one_of(getattr(self, field), modes, field))
         text = ",".join(f"{name}:{every}" for name, every in self.levels or DEFAULT_LEVELS)
         object.__setattr__(self, "levels", parse_levels(text))
@@ -253,7 +259,7 @@ _KEYS = {
     "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity", "PFS_KEEP": "pfs_keep",
     "RANKS_PER_NODE": "ranks_per_node", "ASYNC": "async_", "TIMEOUT": "timeout",
     "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level", "START": "start",
-    "PFS_BACKPRESSURE": "pfs_backpressure",
+    "PFS_BACKPRESSURE": "pfs_backpressure", "PFS_FILES": "pfs_files",
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
 _RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_FATAL_DIR", "FTKIT_ROOT",

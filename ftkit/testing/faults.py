@@ -150,11 +150,13 @@ class Faults:
     def _node_of(self, rank: int) -> int | None:
         return self.rank_node[rank] if 0 <= rank < len(self.rank_node) else None
 
-    def after_write(self, path: Path, *, level: str, step: int) -> None:
+    def after_write(self, path: Path, *, level: str, step: int, offset: int | None = None
+                    ) -> None:
         """Corrupt hook: flip one byte of ``path`` (a file holding only this rank's data: its
-        shard, its PFS rank file) if a ``corrupt`` fault matches."""
+        shard, its PFS rank file; or, at ``offset``, a byte of this rank's data in a shared
+        file) if a ``corrupt`` fault matches."""
         if self._take_corrupt(level, step):
-            flip_byte(path)
+            flip_byte(path, offset)
             log.warning("injected fault: flipped a byte of %s (rank %d, step %d, level %s)",
                         path, self.rank, step, level)
 

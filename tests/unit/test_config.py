@@ -337,6 +337,14 @@ def test_pfs_backpressure(raw: str | None, want: str) -> None:
         Config.load(env={"FTKIT_PFS_BACKPRESSURE": "block"})
 
 
+@pytest.mark.parametrize("raw,want", [(None, "rank"), ("shared", "shared"), (" Rank ", "rank")])
+def test_pfs_files(raw: str | None, want: str) -> None:
+    env = {} if raw is None else {"FTKIT_PFS_FILES": raw}
+    assert Config.load(env=env).pfs_files == want
+    with pytest.raises(ConfigError, match="FTKIT_PFS_FILES: 'node'; valid: rank, shared"):
+        Config.load(env={"FTKIT_PFS_FILES": "node"})
+
+
 def test_fatal_dir_is_a_launcher_set_variable() -> None:
     """``ftkit run`` sets FTKIT_FATAL_DIR for the ranks; Config must not reject it."""
     env = {"FTKIT_FATAL_DIR": "/tmp/x/attempt-0.fatal", "FTKIT_DONE_FILE": "/x",

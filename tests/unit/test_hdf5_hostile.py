@@ -160,6 +160,33 @@ def test_rank_file_links_nowhere(ranked: Path) -> None:
     _refused(ranked, "rank-0.h5:/rank/0 .*nothing: a rank file holds its group")
 
 
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    """Step 4 as the PFS level writes it with FTKIT_PFS_FILES=shared: ``ranks.h5`` holds both
+    ranks' groups, the index links to it."""
+    d = tmp_path / "shared" / "step-4"
+    write_step(d, [_state(0), _state(1)], step=4, shared=True)
+    return d
+
+
+def test_shared_file_reads_through_one_link_and_with_plain_h5py(shared: Path) -> None:
+    assert sorted(p.name for p in shared.iterdir()) == ["COMMITTED", "ftkit.h5", "ranks.h5"]
+    with StepReader(shared, 4) as reader:
+        for rank in (0, 1):
+            group, arrays = reader.read(rank)
+            assert group.file == str(shared / "ranks.h5") and group.attrs["rank"] == rank
+            assert np.array_equal(arrays[0].view(np.float32).reshape(2, 3),
+                                  _state(rank)["model"]["a"])
+    with h5py.File(shared / "ftkit.h5", "r") as h5:       # plain h5py follows the links
+        assert np.array_equal(h5["rank/1/model/b"][()], _state(1)["model"]["b"])
+
+
+def test_shared_file_links_nowhere(shared: Path) -> None:
+    """The shared file's groups are its own: an external link there is refused."""
+    _relinked(shared, "ranks.h5", "rank-0.h5")
+    _refused(shared, "ranks.h5:/rank/0 .*nothing: the shared file holds every rank's group")
+
+
 def test_index_may_link_straight_to_the_ranks_own_file(ranked: Path) -> None:
     _relinked(ranked, "ftkit.h5", "rank-0.h5")
     with StepReader(ranked, 4) as reader:

@@ -29,17 +29,19 @@ from ftkit.capture.rng import RNGState
 from ftkit.capture.staging import Stager
 from ftkit.cli.main import main
 from ftkit.errors import CheckpointError, CorruptCheckpointError
-from ftkit.storage.pfs import h5files, h5read, hdf5
+from ftkit.storage.pfs import h5files, h5read, h5shared, hdf5
 from ftkit.storage.shard import Shard, write_shard
 from ftkit.testing.faults import flip_byte
 
 
 def write_step(step_dir: Path, states: list[dict[str, Any]], *, tp: int = 1, pp: int = 1,
                ranks_per_node: int = 2, step: int = 1, job: str = "synth",
-               rank_files: bool = False) -> None:
+               rank_files: bool = False, shared: bool = False) -> None:
     """A committed PFS step written with ftkit's own shard and HDF5 writers: with
     ``rank_files`` as the PFS level writes it (``rank-<r>.h5`` with the data, ``node-<id>.h5``
-    linking them), else in the older layout (the node files hold the data)."""
+    linking them); with ``shared`` as it writes a shared file (``ranks.h5``, created with
+    every rank's groups, then filled rank by rank); else in the older layout (the node files hold the
+    data)."""
     world = len(states)
     dp = world // (tp * pp)
     step_dir.mkdir(parents=True)
@@ -49,30 +51,51 @@ def write_step(step_dir: Path, states: list[dict[str, Any]], *, tp: int = 1, pp:
                     {"job": job, "step": step, "rank": rank, "world": world}, tree, leaves,
                     Stager().capture(leaves))
     nodes = math.ceil(world / ranks_per_node)
-    files = {}
-    for node in range(nodes):
-        ranks = range(node * ranks_per_node, min(world, (node + 1) * ranks_per_node))
-        shards = [Shard.open(step_dir / f".rank-{r}.ftk") for r in ranks]
-        topo = {r: {"dp_idx": (r // tp) % dp, "tp_idx": r % tp, "pp_idx": r // (tp * dp),
-                    "node": node} for r in ranks}
-        node_file = step_dir / f"node-{node}.h5"
-        if rank_files:
-            files[node_file.name] = hdf5.write_node_links(node_file, list(ranks))
-            for shard in shards:
-                r = shard.header["rank"]
-                files[f"rank-{r}.h5"] = hdf5.write_rank_file(step_dir / f"rank-{r}.h5", shard,
-                                                            topo[r])
-        else:
-            files[node_file.name] = hdf5.write_node_file(node_file, shards, topo)
-        for shard in shards:
-            shard.close()
+    topo = {r: {"dp_idx": (r // tp) % dp, "tp_idx": r % tp, "pp_idx": r // (tp * dp),
+                "node": r // ranks_per_node} for r in range(world)}
+    shards = [Shard.open(step_dir / f".rank-{r}.ftk") for r in range(world)]
+    files = _write_shared(step_dir, shards, topo) if shared else \
+        _write_node_files(step_dir, shards, topo, ranks_per_node, rank_files)
+    for shard in shards:
+        shard.close()
     for p in step_dir.glob(".rank-*.ftk"):
         p.unlink()
     files[hdf5.INDEX] = hdf5.write_index(
         step_dir, {"job": job, "step": step, "world": world, "dp": dp, "tp": tp, "pp": pp,
                    "nodes": nodes, "ftkit": "test"},
-        {r: f"node-{r // ranks_per_node}.h5" for r in range(world)})
+        {r: h5shared.SHARED_FILE if shared else f"node-{r // ranks_per_node}.h5"
+         for r in range(world)})
     hdf5.write_commit(step_dir, {"step": step, "world": world, "job": job, "files": files})
+
+
+def _write_node_files(step_dir: Path, shards: list[Shard], topo: dict[int, dict[str, Any]],
+                      ranks_per_node: int, rank_files: bool) -> dict[str, Any]:
+    files = {}
+    for node in range(math.ceil(len(shards) / ranks_per_node)):
+        mine = shards[node * ranks_per_node:(node + 1) * ranks_per_node]
+        node_file = step_dir / f"node-{node}.h5"
+        if rank_files:
+            files[node_file.name] = hdf5.write_node_links(
+                node_file, [s.header["rank"] for s in mine])
+            for shard in mine:
+                r = shard.header["rank"]
+                files[f"rank-{r}.h5"] = hdf5.write_rank_file(step_dir / f"rank-{r}.h5", shard,
+                                                            topo[r])
+        else:
+            files[node_file.name] = hdf5.write_node_file(node_file, mine, topo)
+    return files
+
+
+def _write_shared(step_dir: Path, shards: list[Shard], topo: dict[int, dict[str, Any]]
+                  ) -> dict[str, Any]:
+    parts = [{"header": h5shared.header_of(s.header), "topology": topo[r]}
+             for r, s in enumerate(shards)]
+    temp, offsets = h5shared.create_layout(step_dir / h5shared.SHARED_FILE, parts)
+    digest = h5files.file_digest(temp)
+    for shard, own in zip(shards, offsets):
+        h5shared.fill_rank(temp, shard, own)
+    h5shared.publish(step_dir, temp.name)
+    return {h5shared.SHARED_FILE: digest}
 
 
 def _state(rank: int, pos: int = 1234) -> dict[str, Any]:
@@ -82,20 +105,24 @@ def _state(rank: int, pos: int = 1234) -> dict[str, Any]:
             "data": {"pos": pos, "epoch": 0}}
 
 
-@pytest.fixture(params=["rank files", "node files"])
+@pytest.fixture(params=["rank files", "node files", "shared file"])
 def step_dir(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
     """``job/step-1``: 2 ranks on one node (node-0.h5), in the layout the PFS level writes
-    (``rank-<r>.h5`` holding the data) and in the older one (the node file holds it)."""
+    (``rank-<r>.h5`` holding the data), in the older one (the node file holds it) and in
+    the shared one (``ranks.h5`` holds both ranks)."""
     d = tmp_path / "job" / "step-1"
-    write_step(d, [_state(0), _state(1)], rank_files=request.param == "rank files")
+    write_step(d, [_state(0), _state(1)], rank_files=request.param == "rank files",
+               shared=request.param == "shared file")
     return d
 
 
 def data_file(step_dir: Path, rank: int) -> Path:
-    """The file of a step that holds ``rank``'s datasets (its rank file, or its node file in
-    steps written before rank files existed; one node here)."""
-    own = step_dir / f"rank-{rank}.h5"
-    return own if own.exists() else step_dir / "node-0.h5"
+    """The file of a step that holds ``rank``'s datasets (its rank file, the shared file, or
+    its node file in steps written before rank files existed; one node here)."""
+    for own in (step_dir / f"rank-{rank}.h5", step_dir / h5shared.SHARED_FILE):
+        if own.exists():
+            return own
+    return step_dir / "node-0.h5"
 
 
 def _edit(path: Path, fn: Callable[[Any], None], *, recommit: bool = False) -> None:
@@ -220,7 +247,8 @@ def test_itemsize_without_torch() -> None:
 def test_files_without_meta_checksum_are_refused(step_dir: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Format ftkit-hdf5-1 had no metadata checksums: refused with a clear message."""
-    for name in dict.fromkeys(("ftkit.h5", "node-0.h5", data_file(step_dir, 0).name)):
+    names = ("ftkit.h5", "node-0.h5", data_file(step_dir, 0).name)
+    for name in [n for n in dict.fromkeys(names) if (step_dir / n).exists()]:
         def legacy(h5: Any) -> None:
             h5.attrs["format"] = "ftkit-hdf5-1"
             del h5.attrs[hdf5.META]

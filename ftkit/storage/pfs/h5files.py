@@ -34,6 +34,8 @@ from ftkit.errors import CorruptCheckpointError
 
 NODE_FILE = re.compile(r"node-(\d{1,9})\.h5")
 RANK_FILE = re.compile(r"rank-(\d{1,9})\.h5")
+#: the one file of a step written by all ranks together (``FTKIT_PFS_FILES=shared``)
+SHARED_FILE = "ranks.h5"
 _READ = 16 << 20
 XXH3 = "xxh3-64:"
 
@@ -104,9 +106,14 @@ def rank_file_name(name: Any, rank: int) -> str | None:
     return name if m is not None and int(m.group(1)) == rank else None
 
 
+def shared_file_name(name: Any) -> str | None:
+    """``name`` when it is the name of a step's shared file (``ranks.h5``), else None."""
+    return name if name == SHARED_FILE else None
+
+
 def step_file(name: str) -> bool:
-    """True for the names of the HDF5 data files of a step (node and rank files)."""
-    return bool(NODE_FILE.fullmatch(name) or RANK_FILE.fullmatch(name))
+    """True for the names of the HDF5 data files of a step (node, rank and shared files)."""
+    return bool(NODE_FILE.fullmatch(name) or RANK_FILE.fullmatch(name)) or name == SHARED_FILE
 
 
 # --------------------------------------------------------------------------- storage

@@ -8,8 +8,8 @@
    never parses a damaged byte of a committed step;
 3. each file's root (``format``, ``meta_checksum``) and the index's ``world``/``step``/``job``;
 4. ``/rank/<r>``: external links are resolved by ftkit, not by HDF5 — the index's only to a
-   ``node-<id>.h5`` or ``rank-<r>.h5`` inside the step directory, a node file's only to
-   ``rank-<r>.h5``, each opened by that validated name (HDF5 would also search the working
+   ``node-<id>.h5``, ``rank-<r>.h5`` or the shared ``ranks.h5`` inside the step directory, a
+   node file's only to ``rank-<r>.h5``, each opened by that validated name (HDF5 would also search the working
    directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
 5. the rank group (:meth:`hdf5.RankGroup.load`): seal, identity, hard links only, storage inside
    the file, attributes against stored dtype/shape, tree against datasets;
@@ -124,8 +124,9 @@ class StepReader:
 
     def group(self, rank: int) -> RankGroup:
         """The verified group of ``rank``, reached through at most two external links, each
-        resolved by ftkit: the index (or a file read on its own) may link to a node file or
-        to that rank's file, a node file only to that rank's file, a rank file to nothing."""
+        resolved by ftkit: the index (or a file read on its own) may link to a node file, to
+        that rank's file or to the shared file, a node file only to that rank's file, a rank
+        file or the shared file to nothing."""
         h5, size, file = self.h5, self.size, self.path
         while True:
             link = _rank_link(h5, rank)
@@ -149,14 +150,17 @@ class StepReader:
         """The validated file name an external link ``/rank/<rank>`` of ``file`` leads to."""
         if h5files.rank_file_name(file.name, rank):
             allowed, what = None, "nothing: a rank file holds its group"
+        elif h5files.shared_file_name(file.name):
+            allowed, what = None, "nothing: the shared file holds every rank's group"
         elif h5files.node_file_name(file.name):
             allowed = h5files.rank_file_name(link.filename, rank)
             what = f"only /rank/{rank} of rank-{rank}.h5 in the step directory is followed"
         else:
             allowed = h5files.node_file_name(link.filename) or \
-                h5files.rank_file_name(link.filename, rank)
+                h5files.rank_file_name(link.filename, rank) or \
+                h5files.shared_file_name(link.filename)
             what = (f"only /rank/{rank} of a node-<id>.h5 file in the step directory is "
-                    f"followed (or of rank-{rank}.h5)")
+                    f"followed (or of rank-{rank}.h5 or {h5files.SHARED_FILE})")
         if allowed is None or link.path != f"/rank/{rank}":
             raise CorruptCheckpointError(
                 f"{file}:/rank/{rank}", f"links to {link.filename}:{link.path}; {what}",

@@ -90,7 +90,7 @@ class H5Sink:
 
     def write_at(self, buf: Any, pos: int) -> int:
         """Write all of ``buf`` at ``pos`` (the position is not moved): libhdf5's writes,
-        and a dataset's raw bytes written at their place by ftkit (``hdf5._write_raw``)."""
+        and a dataset's raw bytes written at their place by ftkit (``hdf5.fill_tensor``)."""
         view = memoryview(buf).cast("B")
         n = len(view)
         if not self.discarding:
@@ -168,7 +168,7 @@ def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> 
     file system's own ``OSError`` (errno and ``where`` named) when a write failed, else what
     ``fill`` raised. The caller removes the file then."""
     import h5py
-    sink = H5Sink(fd, _reopen_direct(fd))
+    sink = H5Sink(fd, reopen_direct(fd))
     h5 = None
     try:
         h5 = h5py.File(sink, "w", alignment_threshold=DIRECT_MIN,
@@ -188,7 +188,7 @@ def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> 
         sink.close()
 
 
-def _reopen_direct(fd: int) -> int | None:
+def reopen_direct(fd: int) -> int | None:
     """A second write descriptor of the file open at ``fd``, with ``O_DIRECT`` (through
     ``/proc/self/fd``: the same file, whatever happens to its name), or None where there is
     no ``O_DIRECT`` or the file system refuses it."""

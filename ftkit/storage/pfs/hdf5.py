@@ -72,7 +72,7 @@ def _h5py() -> Any:
     return h5py
 
 
-def _storage_dtype(t: dict[str, Any]) -> np.dtype | None:
+def storage_dtype(t: dict[str, Any]) -> np.dtype | None:
     """The numpy dtype HDF5 stores tensor ``t`` as, or None for raw bytes."""
     if t["kind"] == "torch":
         descr = _H5_TORCH.get(t["dtype"])
@@ -247,7 +247,7 @@ def tensor_entry(name: str, ds: Any, a: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"negative dimension in ftkit_shape {shape}")
     nbytes = math.prod(shape) * itemsize(kind, dtype)
     raw = a["ftkit_raw"]
-    want = _storage_dtype({"kind": kind, "dtype": dtype})
+    want = storage_dtype({"kind": kind, "dtype": dtype})
     if not isinstance(raw, bool) or raw != (want is None):
         raise ValueError(f"ftkit_raw {raw!r} does not fit {kind} dtype {dtype}")
     stored = (np.dtype(np.uint8), (nbytes,)) if want is None else (want, tuple(shape))
@@ -362,67 +362,85 @@ def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any], sink: H5Si
     tensor's bytes against the shard's checksum on the way (CorruptCheckpointError: the
     shard is corrupt, nothing of it may reach the PFS), then seal the group. Tensors of
     :data:`RAW_MIN` bytes or more become contiguous datasets allocated at once and never
-    filled, whose bytes ftkit writes at their place through ``sink`` (the file under
-    ``h5``), hashed piece by piece in the same pass (:func:`_write_raw`)."""
-    h = shard.header
-    grp = h5.create_group(f"rank/{h['rank']}")
-    for key in ("rank", "step", "world", "job"):
-        grp.attrs[key] = h[key]
-    grp.attrs["tree"] = json.dumps(h["tree"])
-    grp.attrs["topology"] = json.dumps(topology)
+    filled (:func:`create_unfilled`), whose bytes ftkit writes at their place through
+    ``sink`` (the file under ``h5``), hashed piece by piece in the same pass
+    (:func:`fill_tensor`)."""
+    grp = create_rank_group(h5, shard.header, topology)
     with cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-h5-hash") as hasher:
-        for i, (t, name) in enumerate(zip(h["tensors"], dataset_names(h["tensors"]))):
+        for i, name in enumerate(dataset_names(shard.tensors)):
             _write_tensor(grp, name, shard, i, sink, hasher)
     seal(grp)
+
+
+def create_rank_group(h5: Any, header: dict[str, Any], topology: dict[str, Any]) -> Any:
+    """The group ``/rank/<r>`` of the shard whose header is ``header``, with its identity,
+    ``tree`` and ``topology`` attributes (no datasets yet, not sealed)."""
+    grp = h5.create_group(f"rank/{header['rank']}")
+    for key in ("rank", "step", "world", "job"):
+        grp.attrs[key] = header[key]
+    grp.attrs["tree"] = json.dumps(header["tree"])
+    grp.attrs["topology"] = json.dumps(topology)
+    return grp
+
+
+def tensor_attrs(t: dict[str, Any], index: int) -> dict[str, Any]:
+    """The attributes of the dataset of tensor ``index`` of a shard (header entry ``t``)."""
+    return {"checksum": t["checksum"], "ftkit_kind": t["kind"], "ftkit_dtype": t["dtype"],
+            "ftkit_index": index, "ftkit_raw": storage_dtype(t) is None,
+            "ftkit_path": t["path"], "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
+            "global_shape": list(t["shape"]) or [0], "shard_offset": 0, "shard_dim": -1}
 
 
 def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
                   hasher: cf.ThreadPoolExecutor) -> None:
     """Tensor ``i`` of ``shard`` as dataset ``name`` of ``grp``, checked, with its attributes."""
     t = shard.tensors[i]
-    dtype = _storage_dtype(t)
+    dtype = storage_dtype(t)
     if t["nbytes"] >= RAW_MIN:
-        ds = _write_raw(grp, name, shard, i, dtype, sink, hasher)
+        ds = create_unfilled(grp, name, t)
+        fill_tensor(shard, i, int(ds.id.get_offset()), sink, hasher)
     else:
         raw = shard.raw(i)
         if checksum(raw) != t["checksum"]:
-            raise _corrupt_shard(shard, t)
+            raise corrupt_shard(shard, t)
         data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
         ds = grp.create_dataset(name, data=data)          # contiguous
-    ds.attrs.update({"checksum": t["checksum"], "ftkit_kind": t["kind"],
-                     "ftkit_dtype": t["dtype"], "ftkit_index": i,
-                     "ftkit_raw": dtype is None, "ftkit_path": t["path"],
-                     "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
-                     "global_shape": list(t["shape"]) or [0], "shard_offset": 0,
-                     "shard_dim": -1})
+    ds.attrs.update(tensor_attrs(t, i))
 
 
-def _write_raw(grp: Any, name: str, shard: Shard, index: int, dtype: np.dtype | None,
-               sink: H5Sink, hasher: cf.ThreadPoolExecutor) -> Any:
-    """A contiguous dataset for tensor ``index`` of ``shard``, its space allocated when it
-    is created and never filled by libhdf5; its bytes written at the dataset's offset
-    through ``sink`` from the mapped shard in :data:`RAW_PIECE` pieces (``O_DIRECT`` where
-    the file system allows: :meth:`H5Sink.write_bulk`), each hashed before it is written
-    (:func:`_hashed_pieces`), the whole checked against the tensor's checksum (a mismatch
-    raises: the file is then discarded)."""
+def create_unfilled(grp: Any, name: str, t: dict[str, Any]) -> Any:
+    """A contiguous dataset ``name`` of ``grp`` for tensor ``t`` (a header entry), its space
+    allocated when it is created and never filled by libhdf5: ftkit writes its bytes at the
+    dataset's offset (:func:`fill_tensor`). OSError when HDF5 did not allocate exactly the
+    tensor's bytes (a tensor of no bytes gets no storage)."""
     h5py = _h5py()
-    t = shard.tensors[index]
+    dtype = storage_dtype(t)
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     shape = (t["nbytes"],) if dtype is None else tuple(t["shape"])
     ds = grp.create_dataset(name, shape=shape, dtype=np.uint8 if dtype is None else dtype,
                             dcpl=dcpl, fill_time="never")
     offset = ds.id.get_offset()
-    if offset is None or ds.id.get_storage_size() != t["nbytes"]:
+    if t["nbytes"] and (offset is None or ds.id.get_storage_size() != t["nbytes"]):
         raise OSError(f"HDF5 allocated {ds.id.get_storage_size()} bytes at {offset} for "
                       f"{t['nbytes']}-byte tensor {t['path']!r}")
+    return ds
+
+
+def fill_tensor(shard: Shard, index: int, offset: int, sink: H5Sink,
+                hasher: cf.ThreadPoolExecutor) -> None:
+    """Write tensor ``index`` of ``shard`` at ``offset`` of the file under ``sink`` from the
+    mapped shard in :data:`RAW_PIECE` pieces (``O_DIRECT`` where the file system allows:
+    :meth:`H5Sink.write_bulk`), each hashed before it is written (:func:`_hashed_pieces`),
+    the whole checked against the tensor's checksum (a mismatch raises
+    CorruptCheckpointError: the file is then discarded)."""
+    t = shard.tensors[index]
     raw, h = shard.raw(index), xxhash.xxh3_64()
     for at, piece in _hashed_pieces(raw, h, hasher):
-        sink.write_bulk(piece, int(offset) + at)
+        sink.write_bulk(piece, offset + at)
     passes.count("hash", t["nbytes"])
     if XXH3 + h.hexdigest() != t["checksum"]:
-        raise _corrupt_shard(shard, t)
-    return ds
+        raise corrupt_shard(shard, t)
 
 
 def _hashed_pieces(raw: np.ndarray, h: Any, hasher: cf.ThreadPoolExecutor
@@ -443,7 +461,7 @@ def _hashed_pieces(raw: np.ndarray, h: Any, hasher: cf.ThreadPoolExecutor
         yield at, raw[at:at + RAW_PIECE]
 
 
-def _corrupt_shard(shard: Shard, t: dict[str, Any]) -> CorruptCheckpointError:
+def corrupt_shard(shard: Shard, t: dict[str, Any]) -> CorruptCheckpointError:
     h = shard.header
     return CorruptCheckpointError(
         str(shard.path), f"tensor {t['path']!r} does not match its checksum {t['checksum']}: "

@@ -12,7 +12,9 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    the shard's checksum as it copies them (a corrupt shard fails the flush: corruption is
    never copied to the PFS); each node leader also writes ``step-<s>/node-<id>.h5``, which
    holds only external links ``/rank/<r>`` to its ranks' files. No data crosses the
-   network: no rank holds more than its own mapped shard;
+   network: no rank holds more than its own mapped shard. (With ``FTKIT_PFS_FILES=shared``
+   all ranks write one ``step-<s>/ranks.h5`` through parallel h5py instead, each its own
+   tensors: :mod:`ftkit.storage.pfs.h5shared`; rank 0 renames it into place in 3.);
 2. all ranks agree that every file is durable (waiting for the slowest node's bytes,
    :func:`io_allowance`) and send rank 0 the byte digests of the files they wrote
    (:mod:`ftkit.storage.pfs.h5files`);
@@ -42,7 +44,7 @@ from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.local import LocalLevel
-from ftkit.storage.pfs import hdf5
+from ftkit.storage.pfs import h5shared, hdf5
 from ftkit.storage.pfs.retention import Reaper, retract_steps
 from ftkit.storage.shard import Shard, fsync_dir
 from ftkit.storage.stepnames import step_dirs, step_name
@@ -64,6 +66,7 @@ class PfsLevel:
         self.dc = dc                      # world (a DistComm of the PFS level's own)
         self.pruned: list[int] = []       # rank 0: steps the last flush's retention removed
         self._reaper = Reaper()           # rank 0: deletes retired steps' files
+        self.shared = config.pfs_files == "shared"     # one file of all ranks (h5shared)
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
 
     def settle(self) -> None:
@@ -167,7 +170,10 @@ class PfsLevel:
     def _write_files(self, step: int) -> list[dict[str, Any]]:
         """Write this rank's file ``rank-<r>.h5`` straight from its node-local shard (all
         ranks at once, no data crosses the network); the node leader also writes the node's
-        link file ``node-<id>.h5``. Returns ``[{"file", "digest"}]`` of what this rank wrote."""
+        link file ``node-<id>.h5``. Returns ``[{"file", "digest"}]`` of what this rank wrote.
+        With shared files, this rank's part of the shared file instead (all ranks call)."""
+        if self.shared:
+            return self._write_shared(step)
         t = self.topo
         written = []
         if t.node_rank == 0:
@@ -184,6 +190,27 @@ class PfsLevel:
         written.append({"file": rank_file.name, "digest": digest})
         return written
 
+    def _write_shared(self, step: int) -> list[dict[str, Any]]:
+        """This rank's part of the step's shared file (:func:`h5shared.write_shared_file`;
+        all ranks call, a shard that cannot be opened fails every rank alike). Returns, on
+        rank 0, the file's entry (with its temp name, renamed by :meth:`_commit`)."""
+        t, shard, failure = self.topo, None, None
+        try:
+            shard = Shard.open(self.local.shard_path(step), rank=t.rank, step=step)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it before a byte is written
+            failure = f"{type(exc).__name__}: {exc}"
+        try:
+            part = h5shared.write_shared_file(self.step_dir(step), self.dc, shard,
+                                              self._coords(t.rank), step, failure=failure)
+        finally:
+            if shard is not None:
+                shard.close()
+        own = [o for o in part.offsets if o is not None]
+        if own:                  # a corrupt fault flips a byte of this rank's own data
+            self.faults.after_write(part.temp, level=self.name, step=step, offset=own[-1])
+        return [{"file": h5shared.SHARED_FILE, "digest": part.digest,
+                 "temp": part.temp.name}] if t.rank == 0 else []
+
     def _coords(self, rank: int) -> dict[str, Any]:
         c = coords_of(rank, self.topo.dp, self.topo.tp, self.topo.pp)
         return {"dp_idx": c.dp, "tp_idx": c.tp, "pp_idx": c.pp, "node": self.topo.rank_node[rank]}
@@ -196,9 +223,11 @@ class PfsLevel:
                 "tp": t.tp, "pp": t.pp, "nodes": len(t.nodes), "ftkit": _version(),
                 "run": self.run_id}
         files = {f["file"]: f["digest"] for written in parts for f in written or ()}
-        files[hdf5.INDEX] = hdf5.write_index(self.step_dir(step), meta,
-                                             {r: f"node-{t.rank_node[r]}.h5"
-                                              for r in range(t.world)})
+        for f in (f for written in parts for f in written or () if "temp" in f):
+            h5shared.publish(self.step_dir(step), f["temp"])      # the shared file
+        links = {r: h5shared.SHARED_FILE if self.shared else f"node-{t.rank_node[r]}.h5"
+                 for r in range(t.world)}
+        files[hdf5.INDEX] = hdf5.write_index(self.step_dir(step), meta, links)
         hdf5.write_commit(self.step_dir(step), {"step": step, "world": t.world,
                                                 "time": time.time(), "run": self.run_id,
                                                 "job": self.config.job,
