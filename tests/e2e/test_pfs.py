@@ -15,18 +15,21 @@ LEVELS = "local:1,pfs:3"
 
 
 @pytest.mark.timeout(600)
-def test_all_local_dirs_lost_restore_from_hdf5(tmp_path: Path,
+@pytest.mark.parametrize("files", ["rank", "shared"])
+def test_all_local_dirs_lost_restore_from_hdf5(tmp_path: Path, files: str,
                                                reference_digest: Callable[..., str]) -> None:
     """Flushes run on their own thread, one at a time: the kill at the start of step 8's flush
-    comes after steps 2, 4 and 6 were flushed (step 8 is committed only node-locally)."""
+    comes after steps 2, 4 and 6 were flushed (step 8 is committed only node-locally). With
+    ``FTKIT_PFS_FILES=shared`` every step is one ``ranks.h5``."""
     levels = "local:1,pfs:2"
     first = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=levels,
-                    FTKIT_FAULTS="kill:rank=1:step=8:phase=flush")
+                    FTKIT_FAULTS="kill:rank=1:step=8:phase=flush", FTKIT_PFS_FILES=files)
     assert first.rc != 0
     flushed = [e["step"] for e in first.events() if e["event"] == "flush"]
     assert flushed == [2, 4, 6], first.events()
     shutil.rmtree(first.local)                      # every node's local directory is gone
-    res = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=levels)
+    res = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=levels,
+                  FTKIT_PFS_FILES=files)
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
     assert "restored step 6 from the PFS level" in res.stderr, res.tail()
@@ -37,6 +40,10 @@ def test_all_local_dirs_lost_restore_from_hdf5(tmp_path: Path,
         assert h5.attrs["world"] == 4 and h5.attrs["step"] == 6
         assert sorted(h5["rank"]) == ["0", "1", "2", "3"]
         assert h5["rank/2/model/0.weight"].shape == (64, 16)
+    data = sorted(p.name for p in (res.pfs / "e2e" / "step-6").glob("*.h5"))
+    assert data == (["ftkit.h5", "ranks.h5"] if files == "shared" else
+                    ["ftkit.h5", "node-0.h5", "node-1.h5", "rank-0.h5", "rank-1.h5",
+                     "rank-2.h5", "rank-3.h5"]), data
 
 
 @pytest.mark.timeout(600)
