@@ -31,7 +31,7 @@ from typing import IO, Any, cast
 import numpy as np
 import xxhash
 
-from ftkit.capture.flatten import numpy_dtype
+from ftkit.capture.flatten import itemsize, numpy_dtype
 from ftkit.cli import sandbox
 from ftkit.cli.fmt import human
 from ftkit.cli.scan import (
@@ -48,7 +48,7 @@ from ftkit.cli.scan import (
     resolve,
 )
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage.pfs.hdf5 import count_tensors, itemsize
+from ftkit.storage.pfs.h5group import count_tensors
 from ftkit.storage.pfs.hdf5 import raw_bytes as _raw
 from ftkit.storage.shard import fsync_dir
 
@@ -73,7 +73,7 @@ class Part:
     """One dataset holding (a shard of) a tensor."""
 
     rank: int
-    entry: dict[str, Any]          # verified tensor entry (:class:`hdf5.RankGroup`) + file
+    entry: dict[str, Any]          # verified tensor entry (:class:`h5group.RankGroup`) + file
     ds: Any
     step: int | None
 

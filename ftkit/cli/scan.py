@@ -308,7 +308,7 @@ def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES,
 
 
 def _entry(entry: dict[str, Any], file: Path | str) -> dict[str, Any]:
-    """The JSON description of one verified tensor entry (:class:`hdf5.RankGroup`)."""
+    """The JSON description of one verified tensor entry (:class:`h5group.RankGroup`)."""
     return {"path": entry["path"], "dtype": entry["dtype"], "kind": entry["kind"],
             "shape": entry["shape"], "nbytes": entry["nbytes"], "checksum": entry["checksum"],
             "index": entry["index"], "file": str(file), "dataset": entry["name"],

@@ -61,10 +61,12 @@ def test_all_ranks_write_one_shared_file(ftkit_env) -> None:
 
 def test_large_tensors_land_aligned_and_bit_exact(ftkit_env) -> None:
     """Tensors of 64 KiB and more start at 4096-byte offsets of the shared file (written with
-    O_DIRECT where the file system allows) and read back bit-exactly for every rank."""
+    O_DIRECT where the file system allows); they, small, scalar and empty tensors read back
+    bit-exactly for every rank."""
     g = torch.Generator().manual_seed(RANK)
     state = {"big": torch.randn(3 * (1 << 20) // 4 + 5, generator=g),    # 3 pieces + a tail
-             "small": torch.arange(7) + RANK}
+             "small": torch.arange(7) + RANK, "scalar": torch.tensor(2.5 + RANK),
+             "empty": torch.zeros(0, 3)}
     with topology() as topo:
         ckpt = Checkpointer(topo, Config.load(levels="local:1,pfs:1", pfs_files="shared"))
         ckpt.save(1, state)
@@ -78,6 +80,10 @@ def test_large_tensors_land_aligned_and_bit_exact(ftkit_env) -> None:
             i = group.entries.index(next(e for e in group.entries if e["path"] == "big"))
             assert np.array_equal(arrays[i].view(np.float32), want.numpy()), rank
             assert group.datasets[i].id.get_offset() % 4096 == 0
+            by_path = {e["path"]: a for e, a in zip(group.entries, arrays)}
+            assert by_path["scalar"].view(np.float32).tolist() == [2.5 + rank]
+            assert by_path["small"].view(np.int64).tolist() == list(range(rank, rank + 7))
+            assert by_path["empty"].nbytes == 0
 
 
 def test_corrupt_shard_fails_the_flush_on_every_rank_and_the_next_one_lands(ftkit_env):

@@ -488,7 +488,7 @@ def test_malformed_attributes_give_one_line_and_an_exit_status(
     """Index attributes with wrong types or values, resealed and recommitted (a buggy or
     hostile writer). Before: tracebacks (int('x') in export, an overflowing time and a list
     as a set member in inspect) and list(range(10**12)) (MemoryError) in verify. (Malformed
-    rank-group attributes are refused by hdf5.RankGroup.load: tests/unit/test_hdf5_meta.py.)"""
+    rank-group attributes are refused by h5group.RankGroup.load: tests/unit/test_hdf5_meta.py.)"""
     damage, (inspect_rc, verify_rc, export_rc), needle = MALFORMED[case]
     step_dir = _step(tmp_path)
     damage(step_dir)

@@ -181,6 +181,23 @@ def test_shared_file_reads_through_one_link_and_with_plain_h5py(shared: Path) ->
         assert np.array_equal(h5["rank/1/model/b"][()], _state(1)["model"]["b"])
 
 
+def test_shared_file_holds_scalar_and_empty_tensors(tmp_path: Path) -> None:
+    """Every dataset of a shared file is created before its bytes exist, scalars included
+    (h5py's create_dataset would allocate a scalar late: no offset to write at)."""
+    states = [{"s": np.array(1.5 + r, dtype=np.float32), "e": np.zeros((0, 3), np.int64),
+               "v": np.arange(3, dtype=np.int16) + r} for r in range(2)]
+    d = tmp_path / "job" / "step-4"
+    write_step(d, states, step=4, shared=True)
+    with StepReader(d, 4) as reader:
+        for rank in (0, 1):
+            group, arrays = reader.read(rank)
+            got = {e["path"]: a for e, a in zip(group.entries, arrays)}
+            assert got["s"].view(np.float32).tolist() == [1.5 + rank]
+            assert got["e"].nbytes == 0 and got["v"].view(np.int16).tolist() == [rank,
+                                                                                  rank + 1,
+                                                                                  rank + 2]
+
+
 def test_shared_file_links_nowhere(shared: Path) -> None:
     """The shared file's groups are its own: an external link there is refused."""
     _relinked(shared, "ranks.h5", "rank-0.h5")

@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 import pytest
 
-from ftkit.capture.flatten import flatten
+from ftkit.capture.flatten import flatten, itemsize
 from ftkit.capture.rng import RNGState
 from ftkit.capture.staging import Stager
 from ftkit.cli.main import main
@@ -90,8 +90,7 @@ def _write_shared(step_dir: Path, shards: list[Shard], topo: dict[int, dict[str,
                   ) -> dict[str, Any]:
     parts = [{"header": h5shared.header_of(s.header), "topology": topo[r]}
              for r, s in enumerate(shards)]
-    temp, offsets = h5shared.create_layout(step_dir / h5shared.SHARED_FILE, parts)
-    digest = h5files.file_digest(temp)
+    temp, offsets, digest = h5shared.create_layout(step_dir / h5shared.SHARED_FILE, parts)
     for shard, own in zip(shards, offsets):
         h5shared.fill_rank(temp, shard, own)
     h5shared.publish(step_dir, temp.name)
@@ -237,11 +236,11 @@ def test_inconsistent_but_sealed_attributes_are_cross_checked(step_dir: Path) ->
 
 
 def test_itemsize_without_torch() -> None:
-    assert [hdf5.itemsize("torch", d) for d in ("bfloat16", "float8_e4m3fn", "int64", "bool",
+    assert [itemsize("torch", d) for d in ("bfloat16", "float8_e4m3fn", "int64", "bool",
                                                  "complex32", "uint16")] == [2, 1, 8, 1, 4, 2]
-    assert hdf5.itemsize("numpy", "<c16") == 16
+    assert itemsize("numpy", "<c16") == 16
     with pytest.raises(ValueError, match="not one ftkit writes"):
-        hdf5.itemsize("torch", "qint-nope")
+        itemsize("torch", "qint-nope")
 
 
 def test_files_without_meta_checksum_are_refused(step_dir: Path,

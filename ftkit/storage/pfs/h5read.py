@@ -11,7 +11,7 @@
    ``node-<id>.h5``, ``rank-<r>.h5`` or the shared ``ranks.h5`` inside the step directory, a
    node file's only to ``rank-<r>.h5``, each opened by that validated name (HDF5 would also search the working
    directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
-5. the rank group (:meth:`hdf5.RankGroup.load`): seal, identity, hard links only, storage inside
+5. the rank group (:meth:`h5group.RankGroup.load`): seal, identity, hard links only, storage inside
    the file, attributes against stored dtype/shape, tree against datasets;
 6. every tensor's bytes against its checksum as they are read.
 """
@@ -27,13 +27,8 @@ import numpy as np
 from ftkit.capture.landing import GatedLanding
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5data, h5files
-from ftkit.storage.pfs.hdf5 import (
-    COMMITTED,
-    INDEX,
-    RankGroup,
-    check_root,
-    read_commit,
-)
+from ftkit.storage.pfs.h5group import RankGroup
+from ftkit.storage.pfs.hdf5 import COMMITTED, INDEX, check_root, read_commit
 from ftkit.storage.shard import Landing
 
 

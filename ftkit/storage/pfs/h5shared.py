@@ -13,8 +13,8 @@ How it is written (:func:`write_shared_file`, all ranks of the PFS level's commu
 1. rank 0 gathers every rank's shard header (tensor names, dtypes, shapes, checksums; no
    data) — or the reason a rank could not open its shard;
 2. rank 0 creates the file under a new temp name through the same writer as a rank file
-   (:func:`ftkit.storage.pfs.h5sink.write_new_file`: a full or failing file system is an
-   ordinary error): every rank's group and datasets (contiguous, space allocated at once,
+   (:func:`ftkit.storage.pfs.hdf5.write_temp`: a full or failing file system is an ordinary
+   error): every rank's group and datasets (contiguous, space allocated at once,
    never filled by libhdf5) with their attributes and seals; fsync. It takes the file's
    digest now (only tensor bytes are written later, and the digest leaves them out), and
    broadcasts the temp name and each rank's offsets — or the failure, which every rank
@@ -39,8 +39,8 @@ from typing import Any
 
 from ftkit.comm.dist import DistComm
 from ftkit.storage.pfs import h5files, hdf5
-from ftkit.storage.pfs.h5sink import H5Sink, reopen_direct, write_new_file
-from ftkit.storage.shard import Shard, checksum, create_temp, fsync_dir
+from ftkit.storage.pfs.h5sink import H5Sink, reopen_direct
+from ftkit.storage.shard import Shard, checksum, fsync_dir
 
 #: the name of the shared file in a step directory
 SHARED_FILE = h5files.SHARED_FILE
@@ -87,8 +87,7 @@ def _create(step_dir: Path, parts: list[dict[str, Any]]) -> dict[str, Any]:
         return {"failure": "cannot write the shared file: " + "; ".join(
             f"rank {r}: {why}" for r, why in sorted(failed.items()))}
     try:
-        temp, offsets = create_layout(step_dir / SHARED_FILE, parts)
-        digest = h5files.file_digest(temp)
+        temp, offsets, digest = create_layout(step_dir / SHARED_FILE, parts)
     except Exception as exc:  # noqa: BLE001 - every rank raises it after the broadcast
         return {"failure": f"rank 0: creating the shared file: {type(exc).__name__}: {exc}"}
     return {"temp": temp.name, "offsets": offsets, "digest": digest}
@@ -104,28 +103,20 @@ def header_of(header: dict[str, Any]) -> dict[str, Any]:
 
 
 def create_layout(path: Path, parts: list[dict[str, Any]]
-                  ) -> tuple[Path, list[list[int | None]]]:
+                  ) -> tuple[Path, list[list[int | None]], dict[str, Any]]:
     """Create a temp file beside ``path`` with every rank's group (``parts``: header and
-    topology per rank, in rank order) of unfilled datasets, attributes and seals, fsynced.
-    Returns the temp path and, per rank, the offset of each of its tensors' bytes (None:
-    none). Raises (and removes the temp file) when the file system fails."""
+    topology per rank, in rank order) of unfilled datasets, attributes and seals, fsynced
+    (:func:`hdf5.write_temp`). Returns the temp path, per rank the offset of each of its
+    tensors' bytes (None: none), and the file's digest (the tensors' bytes, written later,
+    are outside it). Raises (and removes the temp file) when the file system fails."""
     offsets: list[list[int | None]] = []
 
     def fill(h5: Any, _sink: H5Sink) -> None:
         h5.attrs["format"] = hdf5.FORMAT
         for part in parts:
             offsets.append(_create_group(h5, part["header"], part["topology"]))
-        hdf5.seal(h5)
-    fd, temp = create_temp(path)
-    try:
-        try:
-            write_new_file(fd, fill, str(temp))
-        finally:
-            os.close(fd)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return temp, offsets
+    temp, digest = hdf5.write_temp(path, fill)
+    return temp, offsets, digest
 
 
 def _create_group(h5: Any, header: dict[str, Any], topology: dict[str, Any]

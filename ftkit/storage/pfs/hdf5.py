@@ -29,9 +29,7 @@ stored dtype and shape) and the tree against the datasets. Files without the che
 from __future__ import annotations
 
 import concurrent.futures as cf
-import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -42,7 +40,6 @@ import numpy as np
 import xxhash
 
 from ftkit import passes
-from ftkit.capture.flatten import itemsize
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files
 from ftkit.storage.pfs.h5sink import H5Sink, write_new_file
@@ -153,7 +150,7 @@ def _dataset_list(grp: Any) -> list[tuple[str, Any]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def _group_canon(grp: Any) -> tuple[dict[str, Any], list[tuple[str, Any, dict[str, Any]]]]:
+def group_canon(grp: Any) -> tuple[dict[str, Any], list[tuple[str, Any, dict[str, Any]]]]:
     """(canonical form, [(name, dataset, plain attrs)]) of a rank group, read once."""
     items = [(name, ds, attrs_of(ds)) for name, ds in _dataset_list(grp)]
     canon = {"attrs": attrs_of(grp),
@@ -166,11 +163,11 @@ def _group_canon(grp: Any) -> tuple[dict[str, Any], list[tuple[str, Any, dict[st
 def seal(obj: Any) -> None:
     """(Re)compute and store ``meta_checksum`` of a file root (``obj`` is the File) or a rank
     group, from what the file holds now."""
-    canon = root_canon(obj) if obj.name == "/" else _group_canon(obj)[0]
+    canon = root_canon(obj) if obj.name == "/" else group_canon(obj)[0]
     obj.attrs[META] = _digest(canon)
 
 
-def _check_seal(obj: Any, canon: Any, where: str, *, rank: int | None,
+def check_seal(obj: Any, canon: Any, where: str, *, rank: int | None,
                 step: int | None) -> None:
     stored = obj.attrs.get(META)
     who = ", ".join(x for x in (f"rank {rank}" if rank is not None else "",
@@ -200,12 +197,12 @@ def check_root(h5: Any, where: str, *, step: int | None = None) -> dict[str, Any
             else:
                 why = f"format {fmt!r}, expected {FORMAT!r}"
             raise CorruptCheckpointError(where, why, step=step, level="pfs")
-        _check_seal(h5, root_canon(h5), where, rank=None, step=step)
+        check_seal(h5, root_canon(h5), where, rank=None, step=step)
         attrs = attrs_of(h5)
     except CorruptCheckpointError:
         raise
     except Exception as exc:
-        raise CorruptCheckpointError(where, f"unreadable file metadata: {_why(exc)}",
+        raise CorruptCheckpointError(where, f"unreadable file metadata: {reason(exc)}",
                                      step=step, level="pfs") from exc
     if step is not None and "step" in attrs and attrs["step"] != step:
         raise CorruptCheckpointError(where, f"index says step {attrs['step']}, expected {step}",
@@ -213,145 +210,11 @@ def check_root(h5: Any, where: str, *, step: int | None = None) -> dict[str, Any
     return attrs
 
 
-def _why(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
+    """What went wrong, in a few words (a KeyError: the key)."""
     if isinstance(exc, KeyError) and exc.args:
         return str(exc.args[0])
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-# --------------------------------------------------------------------------- rank groups
-
-def _int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} is {value!r}, not an integer")
-    return value
-
-
-def _ints(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list):
-        raise TypeError(f"{what} is {value!r}, not a list of integers")
-    return [_int(v, what) for v in value]
-
-
-def tensor_entry(name: str, ds: Any, a: dict[str, Any]) -> dict[str, Any]:
-    """The validated description of one dataset (plain attrs ``a``): its attributes agree
-    with each other and with the stored HDF5 dtype and shape (ValueError/KeyError else)."""
-    kind, dtype = a["ftkit_kind"], a["ftkit_dtype"]
-    path, digest = a["ftkit_path"], a["checksum"]
-    if not all(isinstance(v, str) for v in (kind, dtype, path, digest)):
-        raise ValueError("ftkit_kind, ftkit_dtype, ftkit_path and checksum must be strings")
-    if not digest.startswith("xxh3-64:"):
-        raise ValueError(f"unknown checksum {digest!r}")
-    shape = _ints(a["ftkit_shape"], "ftkit_shape")
-    if any(n < 0 for n in shape):
-        raise ValueError(f"negative dimension in ftkit_shape {shape}")
-    nbytes = math.prod(shape) * itemsize(kind, dtype)
-    raw = a["ftkit_raw"]
-    want = storage_dtype({"kind": kind, "dtype": dtype})
-    if not isinstance(raw, bool) or raw != (want is None):
-        raise ValueError(f"ftkit_raw {raw!r} does not fit {kind} dtype {dtype}")
-    stored = (np.dtype(np.uint8), (nbytes,)) if want is None else (want, tuple(shape))
-    if ds.shape is None or (ds.dtype, tuple(ds.shape)) != stored:
-        raise ValueError(f"stored as {ds.dtype.str} {ds.shape}, but ftkit_dtype {dtype} "
-                         f"ftkit_shape {shape} need {stored[0].str} {stored[1]}")
-    if ds.size * ds.dtype.itemsize != nbytes:
-        raise ValueError(f"holds {ds.size * ds.dtype.itemsize} bytes, ftkit_shape {shape} of "
-                         f"{dtype} needs {nbytes}")
-    dim = _int(a["shard_dim"], "shard_dim")
-    shard = None if dim < 0 else {"dim": dim, "offset": _int(a["shard_offset"], "shard_offset"),
-                                  "global_shape": _ints(a["global_shape"], "global_shape")}
-    return {"path": path, "kind": kind, "dtype": dtype, "shape": shape, "nbytes": nbytes,
-            "checksum": digest, "index": _int(a["ftkit_index"], "ftkit_index"),
-            "name": str(ds.name), "dataset_name": name, "shard": shard}
-
-
-def count_tensors(node: Any) -> int:
-    """Tensor leaves of a state skeleton."""
-    if isinstance(node, dict):
-        return (node.get("t") == "tensor") + sum(count_tensors(v) for v in node.values())
-    if isinstance(node, list):
-        return sum(count_tensors(v) for v in node)
-    return 0
-
-
-@dataclasses.dataclass
-class RankGroup:
-    """A verified ``/rank/<r>`` group: attributes, parsed tree and topology, and its tensor
-    entries with their datasets in tree order (``ftkit_index``)."""
-
-    file: str
-    where: str
-    attrs: dict[str, Any]
-    tree: Any
-    topology: dict[str, Any]
-    entries: list[dict[str, Any]]
-    datasets: list[Any]
-
-    @classmethod
-    def load(cls, grp: Any, file: Path | str, *, rank: int, step: int | None = None,
-             world: int | None = None, job: str | None = None,
-             file_size: int | None = None) -> RankGroup:
-        """Verify ``grp``'s ``meta_checksum`` first, then its identity (rank, step, world,
-        job), that everything below it is a plain (hard-linked) group or dataset whose data
-        lies inside the file's ``file_size`` bytes (see :func:`h5files.check_storage`), every
-        dataset's attributes and the tree against the datasets. Reads no tensor data.
-        Raises CorruptCheckpointError naming the file and object."""
-        where = f"{file}:{grp.name}"
-
-        def bad(at: str, why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(at, why, rank=rank, step=step, level="pfs")
-        try:
-            _only_hard_links(grp)
-            canon, items = _group_canon(grp)
-            _check_seal(grp, canon, where, rank=rank, step=step)
-        except CorruptCheckpointError:
-            raise
-        except Exception as exc:
-            raise bad(where, f"unreadable rank group: {_why(exc)}") from exc
-        attrs = canon["attrs"]
-        for key, want in (("rank", rank), ("step", step), ("world", world), ("job", job)):
-            if want is not None and attrs.get(key) != want:
-                raise bad(where, f"group says {key} {attrs.get(key)!r}, "
-                                 f"{'linked as' if key == 'rank' else 'expected'} {want!r}")
-        try:
-            tree = json.loads(attrs["tree"])
-            topology = json.loads(attrs.get("topology", "{}"))
-            if not isinstance(topology, dict):
-                raise TypeError("topology is not a JSON object")
-            expected = count_tensors(tree)
-        except (KeyError, TypeError, ValueError, RecursionError) as exc:
-            raise bad(where, f"bad 'tree'/'topology' attribute: {_why(exc)}") from exc
-        entries, datasets = [], []
-        for name, ds, a in items:
-            try:
-                entry = tensor_entry(name, ds, a)
-                if file_size is not None:
-                    h5files.check_storage(ds, file_size, entry["nbytes"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise bad(f"{file}:{ds.name}", f"bad dataset: {_why(exc)}") from exc
-            entries.append(entry)
-            datasets.append(ds)
-        order = sorted(range(len(entries)), key=lambda i: entries[i]["index"])
-        entries = [entries[i] for i in order]
-        datasets = [datasets[i] for i in order]
-        have = [e["index"] for e in entries]
-        if have != list(range(expected)):
-            missing = sorted(set(range(expected)) - set(have))
-            raise bad(where, f"its tree has {expected} tensors but it holds {len(have)} "
-                             f"datasets" + (f" (missing ftkit_index {missing})" if missing
-                                            else f" (ftkit_index {have})"))
-        return cls(str(file), where, attrs, tree, topology, entries, datasets)
-
-
-def _only_hard_links(grp: Any) -> None:
-    """Everything below a rank group must be reached by hard links: an external or soft link
-    could lead out of the file or to another rank's data (TypeError)."""
-    h5py = _h5py()
-    found = grp.visititems_links(lambda name, link: None if isinstance(link, h5py.HardLink)
-                                 else (name, type(link).__name__))
-    if found is not None:
-        raise TypeError(f"{found[0]!r} is a {found[1]}; only plain groups and datasets are "
-                        f"allowed in a rank group")
 
 
 # --------------------------------------------------------------------------- writing
@@ -411,15 +274,22 @@ def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
 def create_unfilled(grp: Any, name: str, t: dict[str, Any]) -> Any:
     """A contiguous dataset ``name`` of ``grp`` for tensor ``t`` (a header entry), its space
     allocated when it is created and never filled by libhdf5: ftkit writes its bytes at the
-    dataset's offset (:func:`fill_tensor`). OSError when HDF5 did not allocate exactly the
-    tensor's bytes (a tensor of no bytes gets no storage)."""
+    dataset's offset (:func:`fill_tensor`). Created through the low-level API: h5py's
+    ``create_dataset`` allocates a scalar dataset late whatever it is asked. OSError when
+    HDF5 did not allocate exactly the tensor's bytes (a tensor of no bytes gets no storage)."""
     h5py = _h5py()
     dtype = storage_dtype(t)
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     shape = (t["nbytes"],) if dtype is None else tuple(t["shape"])
-    ds = grp.create_dataset(name, shape=shape, dtype=np.uint8 if dtype is None else dtype,
-                            dcpl=dcpl, fill_time="never")
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    space = h5py.h5s.create_simple(shape) if shape else h5py.h5s.create(h5py.h5s.SCALAR)
+    tid = h5py.h5t.py_create(np.dtype(np.uint8) if dtype is None else dtype)
+    ds = h5py.Dataset(h5py.h5d.create(grp.id, name.encode(), tid, space, dcpl=dcpl,
+                                      lcpl=lcpl))
     offset = ds.id.get_offset()
     if t["nbytes"] and (offset is None or ds.id.get_storage_size() != t["nbytes"]):
         raise OSError(f"HDF5 allocated {ds.id.get_storage_size()} bytes at {offset} for "
@@ -469,12 +339,13 @@ def corrupt_shard(shard: Shard, t: dict[str, Any]) -> CorruptCheckpointError:
         step=h["step"], level="local")
 
 
-def _write_atomic(path: Path, fill: Callable[[Any, H5Sink], None]) -> dict[str, Any]:
-    """Create an HDF5 file at ``path`` atomically: ``fill`` writes into a new private temp
-    file (:func:`~ftkit.storage.shard.create_temp`), whose root is then sealed; fsync, file
-    digest, rename, fsync of the directory. Written through :mod:`ftkit.storage.pfs.h5sink`, so a
-    full or failing file system raises here, inside the caller's error handling, and nothing
-    of the temp file (which is removed) can fail later. Returns the file digest (for
+def write_temp(path: Path, fill: Callable[[Any, H5Sink], None]
+               ) -> tuple[Path, dict[str, Any]]:
+    """Create an HDF5 file under a new private temp name beside ``path``
+    (:func:`~ftkit.storage.shard.create_temp`): ``fill`` writes into it, its root is then
+    sealed; fsync. Written through :mod:`ftkit.storage.pfs.h5sink`, so a full or failing file
+    system raises here, inside the caller's error handling, and nothing of the temp file
+    (which is removed) can fail later. Returns the temp path and the file digest (for
     COMMITTED, :mod:`ftkit.storage.pfs.h5files`)."""
     def fill_sealed(h5: Any, sink: H5Sink) -> None:
         fill(h5, sink)
@@ -485,7 +356,17 @@ def _write_atomic(path: Path, fill: Callable[[Any, H5Sink], None]) -> dict[str, 
             write_new_file(fd, fill_sealed, str(tmp))
         finally:
             os.close(fd)
-        digest = h5files.file_digest(tmp)
+        return tmp, h5files.file_digest(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_atomic(path: Path, fill: Callable[[Any, H5Sink], None]) -> dict[str, Any]:
+    """Create an HDF5 file at ``path`` atomically (:func:`write_temp`, rename, fsync of the
+    directory). Returns the file digest."""
+    tmp, digest = write_temp(path, fill)
+    try:
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -570,7 +451,7 @@ def read_commit(step_dir: Path, step: int | None = None) -> dict[str, Any]:
             os.close(fd)
         record = json.loads(data)
     except (OSError, ValueError, RecursionError) as exc:
-        raise bad(f"unreadable commit record: {_why(exc)}") from exc
+        raise bad(f"unreadable commit record: {reason(exc)}") from exc
     if not isinstance(record, dict) or record.get("checksum") != record_checksum(record):
         raise bad("commit record checksum mismatch (damaged or edited), or a record written "
                   "without one by an older ftkit")
