@@ -311,3 +311,31 @@ def save_steps(topo: Topology, steps: list[int], **overrides: Any) -> dict[int, 
         ckpt.save(s, state)
     ckpt.close()
     return out
+
+
+def flushed_step(env: Any, topo: Topology, step: int, **config: Any
+                 ) -> tuple[Path, str, list[str]]:
+    """Save :func:`small_state` of ``step`` with ``levels=local:1,pfs:1`` (and ``config``),
+    close; (the step's PFS directory, the file this rank's group was read from, the files
+    COMMITTED lists). All ranks call."""
+    from ftkit.storage.pfs.h5read import StepReader
+    ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1,pfs:1", **config))
+    ckpt.save(step, small_state(RANK, step))
+    ckpt.close()
+    step_dir = env.pfs_dir / env.job / f"step-{step}"
+    WORLD.Barrier()
+    with StepReader(step_dir, step, require_commit=True) as reader:
+        group, _ = reader.read(RANK)
+        files = sorted(reader.digests or {})
+    return step_dir, group.file, files
+
+
+def assert_restores_from_pfs(env: Any, topo: Topology, step: int) -> None:
+    """Every node's local directory is removed, then :func:`assert_restores` of ``step``
+    (from the PFS). All ranks call."""
+    import shutil
+    WORLD.Barrier()
+    if topo.is_node_leader:
+        shutil.rmtree(env.node_dir(topo.node))
+    WORLD.Barrier()
+    assert_restores(topo, step, "local:1,pfs:1")

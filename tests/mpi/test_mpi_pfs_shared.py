@@ -23,9 +23,10 @@ from .mpi_helpers import (
     RANK,
     WORLD,
     allgather,
-    assert_restores,
+    assert_restores_from_pfs,
     catch,
     error_summary,
+    flushed_step,
     small_state,
     topology,
 )
@@ -37,26 +38,15 @@ def _listing(step_dir) -> list[str]:
 
 def test_all_ranks_write_one_shared_file(ftkit_env) -> None:
     with topology() as topo:
-        ckpt = Checkpointer(topo, Config.load(levels="local:1,pfs:1", pfs_files="shared"))
-        ckpt.save(3, small_state(RANK, 3))
-        ckpt.close()
-        step_dir = ftkit_env.pfs_dir / ftkit_env.job / "step-3"
-        WORLD.Barrier()
-        with StepReader(step_dir, 3, require_commit=True) as reader:
-            group, _ = reader.read(RANK)
-            files = sorted(reader.digests or {})
-        assert group.file == str(step_dir / "ranks.h5")
+        step_dir, group_file, files = flushed_step(ftkit_env, topo, 3, pfs_files="shared")
+        assert group_file == str(step_dir / "ranks.h5")
         assert files == ["ftkit.h5", "ranks.h5"], files
         assert _listing(step_dir) == ["COMMITTED", "ftkit.h5", "ranks.h5"]
         with h5py.File(step_dir / "ftkit.h5", "r") as h5:            # plain h5py, one hop
             link = h5["rank"].get(str(RANK), getlink=True)
             assert (link.filename, link.path) == ("ranks.h5", f"/rank/{RANK}")
             assert int(h5[f"rank/{RANK}"].attrs["rank"]) == RANK
-        WORLD.Barrier()
-        if topo.is_node_leader:
-            shutil.rmtree(ftkit_env.node_dir(topo.node))     # restore from the PFS
-        WORLD.Barrier()
-        assert_restores(topo, 3, "local:1,pfs:1")
+        assert_restores_from_pfs(ftkit_env, topo, 3)
 
 
 def test_large_tensors_land_aligned_and_bit_exact(ftkit_env) -> None:
