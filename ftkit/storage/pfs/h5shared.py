@@ -60,10 +60,11 @@ def write_shared_file(step_dir: Path, dc: DistComm, shard: Shard | None,
                       ) -> Part:
     """Write this rank's part of ``step_dir``'s shared file under its temp name (module
     doc, steps 1-3). All ranks of ``dc`` call, each with its own node-local ``shard`` — or
-    None and the ``failure`` that kept it from opening it. Returns what it wrote. Raises the same RuntimeError
-    on every rank when a shard could not be opened or rank 0 could not create the file;
-    CorruptCheckpointError when this rank's shard does not match its checksums, OSError
-    when the file system fails writing its bytes."""
+    None and the ``failure`` that kept it from opening it. Returns what it wrote. Raises
+    the same RuntimeError on every rank when a shard could not be opened or rank 0 could
+    not create the file; CorruptCheckpointError when this rank's shard does not match its
+    checksums, OSError when the file system fails writing its bytes. (Every rank receives
+    every rank's offsets: a scatter would send each only its own.)"""
     own = {"failure": failure} if shard is None else \
         {"header": header_of(shard.header), "topology": topology}
     parts = dc.gather(own, "flush", step)
