@@ -26,8 +26,8 @@ START_MODES = ("resume", "fresh")
 #: skips a delayed one) or ``wait`` for the previous flush (every due step is flushed).
 BACKPRESSURE_MODES = ("delay", "wait")
 #: ``FTKIT_PFS_FILES``: how a PFS step is laid out in files: ``rank`` (every rank writes its
-#: own ``rank-<r>.h5``, the default) or ``shared`` (one ``ranks.h5`` written by all ranks
-#: through parallel h5py, which it needs: ``ftkit.storage.pfs.h5shared``)
+#: own ``rank-<r>.h5``, the default) or ``shared`` (one ``ranks.h5``: rank 0 creates every
+#: rank's datasets, each rank writes its own bytes into it: ``ftkit.storage.pfs.h5shared``)
 PFS_FILES_MODES = ("rank", "shared")
 #: ``FTKIT_TIMEOUT`` bounds, seconds: below 1 s a busy node misses control messages; past
 #: 7 days a stuck phase is never noticed (and a bogus ``inf`` or ``1e-9`` is a typo).
@@ -86,7 +86,7 @@ class Config:
     rs_parity: int = 2
     pfs_keep: int = 2                # committed PFS steps kept (older ones removed)
     pfs_backpressure: str = "delay"  # a flush still running: delay the next, or wait
-    pfs_files: str = "rank"          # a file per rank, or one shared file (parallel h5py)
+    pfs_files: str = "rank"          # a file per rank, or one shared file of all ranks
     ranks_per_node: int = 0          # 0 = detect real nodes
     async_: bool = True
     timeout: float = 120.0

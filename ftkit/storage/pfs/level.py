@@ -13,8 +13,9 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    never copied to the PFS); each node leader also writes ``step-<s>/node-<id>.h5``, which
    holds only external links ``/rank/<r>`` to its ranks' files. No data crosses the
    network: no rank holds more than its own mapped shard. (With ``FTKIT_PFS_FILES=shared``
-   all ranks write one ``step-<s>/ranks.h5`` through parallel h5py instead, each its own
-   tensors: :mod:`ftkit.storage.pfs.h5shared`; rank 0 renames it into place in 3.);
+   all ranks write one ``step-<s>/ranks.h5`` instead: rank 0 creates every rank's datasets,
+   each rank writes its own tensors into it, :mod:`ftkit.storage.pfs.h5shared`; rank 0
+   renames it into place in 3.);
 2. all ranks agree that every file is durable (waiting for the slowest node's bytes,
    :func:`io_allowance`) and send rank 0 the byte digests of the files they wrote
    (:mod:`ftkit.storage.pfs.h5files`);
