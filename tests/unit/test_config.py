@@ -329,20 +329,22 @@ def test_start_invalid_names_key_and_valid_values(raw: str) -> None:
     assert "resume" in str(info.value) and "fresh" in str(info.value)
 
 
-@pytest.mark.parametrize("raw, want", [(None, "delay"), ("wait", "wait"), (" Delay ", "delay")])
-def test_pfs_backpressure(raw: str | None, want: str) -> None:
-    env = {} if raw is None else {"FTKIT_PFS_BACKPRESSURE": raw}
-    assert Config.load(env=env).pfs_backpressure == want
-    with pytest.raises(ConfigError, match="FTKIT_PFS_BACKPRESSURE: 'block'; valid: delay, wait"):
-        Config.load(env={"FTKIT_PFS_BACKPRESSURE": "block"})
-
-
-@pytest.mark.parametrize("raw,want", [(None, "rank"), ("shared", "shared"), (" Rank ", "rank")])
-def test_pfs_files(raw: str | None, want: str) -> None:
-    env = {} if raw is None else {"FTKIT_PFS_FILES": raw}
-    assert Config.load(env=env).pfs_files == want
-    with pytest.raises(ConfigError, match="FTKIT_PFS_FILES: 'node'; valid: rank, shared"):
-        Config.load(env={"FTKIT_PFS_FILES": "node"})
+@pytest.mark.parametrize("field, raw, want, bad, valid", [
+    ("pfs_backpressure", None, "delay", "block", "delay, wait"),
+    ("pfs_backpressure", "wait", "wait", "block", "delay, wait"),
+    ("pfs_backpressure", " Delay ", "delay", "block", "delay, wait"),
+    ("pfs_files", None, "rank", "node", "rank, shared"),
+    ("pfs_files", "shared", "shared", "node", "rank, shared"),
+    ("pfs_files", " Rank ", "rank", "node", "rank, shared"),
+])
+def test_mode_fields(field: str, raw: str | None, want: str, bad: str, valid: str) -> None:
+    """FTKIT_PFS_BACKPRESSURE and FTKIT_PFS_FILES: a default, case and blanks ignored, and
+    a value outside the modes named with the valid ones."""
+    key = f"FTKIT_{field.upper()}"
+    env = {} if raw is None else {key: raw}
+    assert getattr(Config.load(env=env), field) == want
+    with pytest.raises(ConfigError, match=f"{key}: '{bad}'; valid: {valid}"):
+        Config.load(env={key: bad})
 
 
 def test_fatal_dir_is_a_launcher_set_variable() -> None:

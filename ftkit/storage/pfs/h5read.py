@@ -9,10 +9,10 @@
 3. each file's root (``format``, ``meta_checksum``) and the index's ``world``/``step``/``job``;
 4. ``/rank/<r>``: external links are resolved by ftkit, not by HDF5 — the index's only to a
    ``node-<id>.h5``, ``rank-<r>.h5`` or the shared ``ranks.h5`` inside the step directory, a
-   node file's only to ``rank-<r>.h5``, each opened by that validated name (HDF5 would also search the working
-   directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
-5. the rank group (:meth:`h5group.RankGroup.load`): seal, identity, hard links only, storage inside
-   the file, attributes against stored dtype/shape, tree against datasets;
+   node file's only to ``rank-<r>.h5``, each opened by that validated name (HDF5 would also
+   search the working directory and ``HDF5_EXT_PREFIX``), and only its ``/rank/<r>``;
+5. the rank group (:meth:`h5group.RankGroup.load`): seal, identity, hard links only, storage
+   inside the file, attributes against stored dtype/shape, tree against datasets;
 6. every tensor's bytes against its checksum as they are read.
 """
 from __future__ import annotations

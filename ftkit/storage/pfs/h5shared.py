@@ -39,8 +39,8 @@ from typing import Any
 
 from ftkit.comm.dist import DistComm
 from ftkit.storage.pfs import h5files, hdf5
-from ftkit.storage.pfs.h5sink import H5Sink, reopen_direct
-from ftkit.storage.shard import Shard, checksum, fsync_dir
+from ftkit.storage.pfs.h5sink import H5Sink, named, reopen_direct
+from ftkit.storage.shard import Shard, fsync_dir
 
 #: the name of the shared file in a step directory
 SHARED_FILE = h5files.SHARED_FILE
@@ -141,14 +141,11 @@ def fill_rank(path: Path, shard: Shard, offsets: list[int | None]) -> None:
     sink = H5Sink(fd, reopen_direct(fd))
     try:
         with cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-h5-hash") as hasher:
-            for i, offset in enumerate(offsets):
-                if offset is not None:
-                    hdf5.fill_tensor(shard, i, offset, sink, hasher)
-                elif checksum(shard.raw(i)) != shard.tensors[i]["checksum"]:
-                    raise hdf5.corrupt_shard(shard, shard.tensors[i])
+            for i, offset in enumerate(offsets):      # no offset: no bytes, checksum checked
+                hdf5.fill_tensor(shard, i, 0 if offset is None else offset, sink, hasher)
         os.fsync(fd)
     except OSError as exc:
-        raise OSError(exc.errno, f"{exc.strerror or exc} (writing {path})") from exc
+        raise named(exc, str(path)) from exc
     finally:
         sink.close()
         os.close(fd)

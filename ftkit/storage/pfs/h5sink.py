@@ -181,11 +181,19 @@ def write_new_file(fd: int, fill: Callable[[Any, H5Sink], None], where: str) -> 
         if h5 is not None:
             h5.close()
         err = sink.error if sink.error is not None else exc
-        if isinstance(err, OSError) and err.errno is not None and not err.filename:
-            raise OSError(err.errno, f"{err.strerror or err} (writing {where})") from exc
+        renamed = named(err, where) if isinstance(err, OSError) else err
+        if renamed is not err:
+            raise renamed from exc
         raise
     finally:
         sink.close()
+
+
+def named(err: OSError, where: str) -> OSError:
+    """``err`` saying which file it was writing (``where``), unless it already names one."""
+    if err.errno is None or err.filename:
+        return err
+    return OSError(err.errno, f"{err.strerror or err} (writing {where})")
 
 
 def reopen_direct(fd: int) -> int | None:

@@ -168,7 +168,7 @@ def seal(obj: Any) -> None:
 
 
 def check_seal(obj: Any, canon: Any, where: str, *, rank: int | None,
-                step: int | None) -> None:
+               step: int | None) -> None:
     stored = obj.attrs.get(META)
     who = ", ".join(x for x in (f"rank {rank}" if rank is not None else "",
                                f"step {step}" if step is not None else "") if x)
