@@ -11,7 +11,8 @@ all-reduce), LayerNorms replicated, no dropout. The pipeline runs a GPipe schedu
 micro-batch forward, then every backward in reverse) with send/recv between stages.
 
 Every rank builds each layer's FULL weights from (seed, parameter name) and keeps its TP
-slice, and the global batch of step k is a pure function of (seed, k), so every layout starts
+slice (declared to ftkit with ``ftkit.declare_shard``, so ``ftkit export`` assembles the
+global tensors of any layout; layers are named by their global index), and the global batch of step k is a pure function of (seed, k), so every layout starts
 from the same model, sees the same data and computes the same losses (up to float summation
 order). With ftkit checkpoints (model, Adam, RNGs, loader position) a killed and relaunched
 run ends bit-identical to a failure-free one of the same layout.
@@ -157,9 +158,19 @@ def full_init(seed: int, name: str, shape: tuple[int, ...], std: float) -> Tenso
 
 def shard(full: Tensor, par: Par, dim: int, parts: int = 1) -> nn.Parameter:
     """This rank's TP slice along ``dim``; ``parts`` > 1 slices each of the fused blocks
-    (q, k, v) separately so that each rank keeps whole heads of all three."""
+    (q, k, v) separately so that each rank keeps whole heads of all three. Declared to
+    ftkit as that piece of ``full`` (one chunk per block), so a checkpoint can be exported
+    whole or restored on another layout."""
+    assert parts == 1 or dim == 0, "fused blocks are stacked along dim 0"
     blocks = full.chunk(parts, dim=dim)
-    return nn.Parameter(torch.cat([b.chunk(par.tp, dim=dim)[par.tp_idx] for b in blocks], dim))
+    param = nn.Parameter(torch.cat([b.chunk(par.tp, dim=dim)[par.tp_idx] for b in blocks],
+                                   dim))
+    block = full.shape[dim] // parts
+    piece = block // par.tp
+    sizes = [piece if d == dim else n for d, n in enumerate(full.shape)]
+    return ftkit.declare_shard(param, full.shape, chunks=[
+        ([k * block + par.tp_idx * piece if d == dim else 0 for d in range(full.ndim)], sizes)
+        for k in range(parts)])
 
 
 class Block(nn.Module):

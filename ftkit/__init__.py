@@ -1,7 +1,7 @@
 """ftkit: fault tolerance for hybrid-parallel training.
 
 Public API: :class:`Checkpointer`, :class:`Topology`, :class:`Config`, :class:`RNGState`,
-:func:`init_torch_distributed` and the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
+:func:`init_torch_distributed`, :func:`declare_shard` and the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
 ``import ftkit`` works on a login node without MPI.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ftkit.capture.rng import RNGState
+from ftkit.capture.shards import declare_shard
 from ftkit.config import Config
 from ftkit.errors import (
     CheckpointError,
@@ -40,6 +41,7 @@ __all__ = [
     "UnrecoverableError",
     "UnsupportedStateError",
     "__version__",
+    "declare_shard",
     "init_torch_distributed",
 ]
 

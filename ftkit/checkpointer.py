@@ -26,7 +26,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ftkit import __version__
-from ftkit.capture import loaders
+from ftkit.capture import loaders, shards
 from ftkit.capture.flatten import TensorLeaf, flatten
 from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
@@ -357,7 +357,8 @@ class Checkpointer:
             snap.meta = {"job": self.config.job, "run": self.run_id, "step": step,
                          "rank": self.topo.rank,
                          "world": self.topo.world, "topology": self.topo.describe(),
-                         "time": time.time(), "ftkit": __version__}
+                         "time": time.time(), "ftkit": __version__,
+                         **shards.describe(state, leaves)}
             self._state_bytes = sum(leaf.nbytes for leaf in leaves)
             into = None
             if "local" in levels:

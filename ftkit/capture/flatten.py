@@ -62,6 +62,7 @@ class TensorLeaf:
     nbytes: int
     source: Any = None   # the live tensor / array (only on the capture side)
     version: int | None = None   # ``source._version`` when staging started (torch only)
+    holder: Any = None   # the DTensor whose local tensor ``source`` is (else None)
 
 
 class DecodeError(ValueError):
@@ -151,8 +152,17 @@ def _key_path(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
 
+def dtensor_type() -> Any:
+    """``torch.distributed.tensor.DTensor`` when torch has imported it, else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def _tensor_leaf(t: Any, path: str, leaves: list[TensorLeaf]) -> Skeleton:
     torch = _torch()
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        return _dtensor_leaf(t, path, leaves)
     if t.is_sparse or t.is_quantized or t.layout != torch.strided:
         raise UnsupportedLeaf(path, f"tensor with layout {t.layout}")
     name = torch_dtype_name(t.dtype)
@@ -163,6 +173,18 @@ def _tensor_leaf(t: Any, path: str, leaves: list[TensorLeaf]) -> Skeleton:
     leaves.append(TensorLeaf(path, "torch", name, tuple(t.shape),
                              t.numel() * t.element_size(), t))
     return {"t": "tensor", "i": len(leaves) - 1}
+
+
+def _dtensor_leaf(t: Any, path: str, leaves: list[TensorLeaf]) -> Skeleton:
+    """A DTensor is stored as its local tensor (its placements make it a declared shard:
+    :mod:`ftkit.capture.shards`); a partial sum is not a state."""
+    partial = [p for p in t.placements if p.is_partial()]
+    if partial:
+        raise UnsupportedLeaf(path, f"DTensor with placements {tuple(t.placements)}: a "
+                                    f"partial sum; redistribute it (e.g. Replicate) first")
+    node = _tensor_leaf(t.detach().to_local(), path, leaves)
+    leaves[-1].holder = t
+    return node
 
 
 def _array_leaf(a: np.ndarray, path: str, leaves: list[TensorLeaf], scalar: bool) -> Skeleton:

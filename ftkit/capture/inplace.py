@@ -11,7 +11,8 @@ inference tensor, or a NumPy array that holds no Python objects). A contiguous C
 counterpart is filled through one reused pinned host buffer and one host-to-device copy
 (:mod:`ftkit.capture.devicecopy`). Anything else (a tensor the state does not have yet, a
 strided view) gets a new buffer and is loaded as before
-(:func:`ftkit.capture.apply.load_into`).
+(:func:`ftkit.capture.apply.load_into`). A DTensor's bytes land in its local tensor and the
+DTensor itself goes back to its owner.
 
 Writing through a NumPy view does not bump a torch tensor's version counter; restore runs
 before training resumes, and ``load_into`` then hands the very same tensors back to their
@@ -60,13 +61,26 @@ def destination(saved: TensorLeaf, live: TensorLeaf | None) -> tuple[Any, Any]:
                              live.nbytes) == (saved.path, saved.kind, saved.dtype,
                                               tuple(saved.shape), saved.nbytes) \
             and saved.nbytes:
+        held = live.source if live.holder is None else live.holder
         view = _bytes_of(live.source)
         if view is not None and view.nbytes == saved.nbytes:
-            return view, live.source
+            return view, held
         device = device_target(live.source)
         if device is not None and device.numel() == saved.nbytes:
-            return device, live.source
+            return device, held
     return np.empty(saved.nbytes, dtype=np.uint8), None
+
+
+def _as_live(value: Any, live: TensorLeaf | None) -> Any:
+    """A new tensor read for a live DTensor's local part, as a DTensor like it (the
+    module's ``load_state_dict`` takes no plain tensor for a DTensor parameter)."""
+    if live is None or live.holder is None or tuple(getattr(value, "shape", ())) != \
+            tuple(live.shape):
+        return value
+    from torch.distributed.tensor import DTensor
+    h = live.holder
+    return DTensor.from_local(value, h.device_mesh, h.placements, run_check=False,
+                              shape=h.shape, stride=h.stride())
 
 
 def _bytes_of(x: Any) -> np.ndarray | None:
@@ -102,10 +116,12 @@ def plan_reading(saved: list[TensorLeaf], tree: Any, state: Any) -> Reading:
     live = live_leaves(state, loaders.extra_layout)
     dests, flags, tensors = [], [], []
     for i, leaf in enumerate(saved):
-        dest, value = destination(leaf, live[i] if i < len(live) else None)
+        mine = live[i] if i < len(live) else None
+        dest, value = destination(leaf, mine)
         dests.append(dest)
         flags.append(value is not None)
-        tensors.append(value if value is not None else leaf_from_bytes(leaf, dest))
+        tensors.append(value if value is not None else
+                       _as_live(leaf_from_bytes(leaf, dest), mine))
     root = unflatten(tree, tensors)
     if not isinstance(root, dict):
         raise DecodeError(None, f"the state root is a {type(root).__name__}, not a dict")

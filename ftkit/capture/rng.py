@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 log = logging.getLogger(__name__)
+_RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of RNGState
 
 
 class RNGState:
@@ -50,3 +51,35 @@ class RNGState:
                 else:
                     log.warning("checkpoint holds CUDA RNG state but CUDA is not available; "
                                 "CUDA generators not restored")
+
+
+def rank_local_indices(tree: Any) -> set[int]:
+    """Tensor indices of the state that legitimately differ between DP replicas: those of
+    ``ftkit.RNGState`` objects (each rank draws its own random streams)."""
+    found: set[int] = set()
+
+    def tensors(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("t") == "tensor":
+                found.add(int(node["i"]))
+            for v in node.values():
+                tensors(v)
+        elif isinstance(node, list):
+            for v in node:
+                tensors(v)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            inner = node.get("v")
+            if node.get("t") == "obj" and isinstance(inner, dict) and inner.get("t") == "dict":
+                keys = {k for k, _ in inner.get("items", [])}
+                if {"python", "numpy"} <= keys <= _RNG_KEYS:
+                    tensors(inner)
+                    return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(tree)
+    return found

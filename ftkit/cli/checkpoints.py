@@ -31,7 +31,14 @@ names, or by default the newest committed one), every tensor of every rank. ``--
                    "kind": "torch" | "numpy",
                    "shape": [int], "nbytes": int, "checksum": str, "index": int,
                    "file": str, "dataset": str,   # node file and /rank/<r>/... object
-                   "shard": null | {"dim": int, "offset": int, "global_shape": [int]}}]}}]}
+                   "shard": null | {"dim": int | null, "offset": int | null,
+                                    "global_shape": [int], "chunks": [[[int], [int]]]},
+                   "key": null | str}]}}]}
+
+``shard`` says where a declared shard (``ftkit.declare_shard``) lies in its global tensor:
+``chunks`` are its boxes (offsets, sizes), ``dim``/``offset`` the one dimension and offset of a
+single slice (null for several chunks or dimensions). ``key`` is the global name of optimizer
+state (``optim/state/<parameter path>/<name>``), null for other tensors.
 
 ``verify PATH [--step S] [--json]`` recomputes the checksum of every dataset of the chosen
 step (``--step``, the step PATH names, or every step of the job directory), following the
@@ -42,13 +49,17 @@ prints ``{"path", "job_dir", "ok", "steps": [{"step", "dir", "committed", "state
 "ok", "datasets", "bytes", "bad": [{"where", "why"}]}]}``.
 
 ``export PATH --step S --out FILE [--format pt|safetensors]`` writes the state of one committed
-step as a single-process flat dict ``{state path: tensor}`` (exact dtypes, bfloat16 included):
+step as a single-process flat dict ``{name: tensor}`` (name: the tensor's ``key`` where it has
+one, else its state path; exact dtypes, bfloat16 included):
 ``pt`` with ``torch.save`` (loads with ``torch.load(..., weights_only=True)``), ``safetensors``
 written by ftkit itself (default: from FILE's suffix), streaming tensor by tensor
 (:mod:`ftkit.cli.export`). A data-parallel checkpoint
 (tp = pp = 1) holds identical replicas: rank 0's tensors are exported. With tp or pp > 1 the
-shards of the ``dp_idx == 0`` ranks are merged along ``shard_dim`` at ``shard_offset``; a tensor
-held by several of them without shard attributes (``shard_dim == -1``) is an error naming it.
+declared shards of the ``dp_idx == 0`` ranks are assembled into their global tensors (they must
+cover each exactly once); a tensor several of them hold without shard attributes
+(``shard_dim == -1``) is a replica when the step declares shards elsewhere and every copy is
+equal, else an error naming it; RNG state (``ftkit.RNGState``, every rank's own) is the lowest
+rank's.
 Non-tensor leaves (ints, floats, strings of the tree) are not exported; every tensor leaf is
 (one torch has no dtype for is an error). Exit 0: written; 1: the step is incomplete, corrupt,
 unreadable or cannot be merged (nothing written); 2: usage error.

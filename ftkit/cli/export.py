@@ -24,7 +24,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -32,6 +32,8 @@ import numpy as np
 import xxhash
 
 from ftkit.capture.flatten import itemsize, numpy_dtype
+from ftkit.capture.rng import rank_local_indices
+from ftkit.capture.shards import Chunk, first_overlap
 from ftkit.cli import sandbox
 from ftkit.cli.fmt import human
 from ftkit.cli.scan import (
@@ -49,7 +51,6 @@ from ftkit.cli.scan import (
 )
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs.h5group import count_tensors
-from ftkit.storage.pfs.hdf5 import raw_bytes as _raw
 from ftkit.storage.shard import fsync_dir
 
 OK = 0
@@ -84,8 +85,9 @@ class Part:
 
 @dataclasses.dataclass
 class Item:
-    """One exported tensor: its key, dtype, shape and the datasets holding it (one, or the
-    shards in offset order with ``dim`` their dimension)."""
+    """One exported tensor: its key, dtype, shape and the datasets holding it: one, the
+    shards along dimension 0 in offset order (``boxes`` None: their bytes one after the
+    other), or shards anywhere (``boxes``: each part's chunks, placed in the output)."""
 
     key: str
     path: str
@@ -94,7 +96,7 @@ class Item:
     nbytes: int
     parts: list[Part]
     swap: np.dtype | None = None   # stored big-endian: read as this, byte-swapped
-    dim: int | None = None
+    boxes: list[list[Chunk]] | None = None
 
 
 def _target_dtype(entry: dict[str, Any]) -> tuple[str, np.dtype | None]:
@@ -115,55 +117,86 @@ def _target_dtype(entry: dict[str, Any]) -> tuple[str, np.dtype | None]:
     return name, (dt if dt.byteorder == ">" else None)
 
 
-def _item(parts: list[Part], shape: list[int], dim: int | None) -> Item:
+def _item(path: str, parts: list[Part], shape: list[int],
+          boxes: list[list[Chunk]] | None = None) -> Item:
     entry = parts[0].entry
     dtype, swap = _target_dtype(entry)
     nbytes = math.prod(shape) * itemsize(entry["kind"], entry["dtype"])
-    return Item("", entry["path"], dtype, shape, nbytes, parts, swap, dim)
+    return Item("", path, dtype, shape, nbytes, parts, swap, boxes)
 
 
-def _merged(path: str, parts: list[Part]) -> Item:
-    """The shards of one tensor, checked to tile its global shape along ``shard_dim``."""
+def _key(part: Part) -> str:
+    """The name a tensor is exported under: its global key where it has one (optimizer
+    state: ``optim/state/<parameter path>/<name>``, :mod:`ftkit.capture.shards`), else its
+    state path."""
+    return str(part.entry["key"] or part.entry["path"])
+
+
+def _chunks(part: Part) -> list[Chunk]:
+    return [Chunk(tuple(o), tuple(s)) for o, s in part.entry["shard"]["chunks"]]
+
+
+def _replica(path: str, parts: list[Part], declared: bool) -> Item:
+    """A tensor several ranks hold without shard attributes: one copy when the step
+    declares shards elsewhere (undeclared = replicated) and every copy is the same."""
     ranks = [p.rank for p in parts]
-    shards = [p.entry["shard"] for p in parts]
-    if any(s is None for s in shards):
+    if not declared:
         raise ExportError(
             f"cannot export tensor {path!r}: ranks {_compact(ranks)} each hold it without "
             f"shard attributes (shard_dim -1), so ftkit cannot tell TP/PP shards from "
-            f"replicas; only data-parallel (tp = pp = 1) checkpoints or tensors with "
-            f"shard_dim/shard_offset/global_shape can be exported")
-    dims = {s["dim"] for s in shards}
-    gshapes = {tuple(s["global_shape"]) for s in shards}
+            f"replicas; only data-parallel (tp = pp = 1) checkpoints or tensors declared "
+            f"with ftkit.declare_shard (shard_dim/shard_offset/global_shape) can be exported")
+    first = parts[0]
+    for other in parts[1:]:
+        if (other.entry["checksum"], other.entry["shape"]) != (first.entry["checksum"],
+                                                                first.entry["shape"]):
+            raise ExportError(f"cannot export tensor {path!r}: ranks {first.rank} and "
+                              f"{other.rank} hold it without a shard declaration, but "
+                              f"different data (a TP/PP shard not declared with "
+                              f"ftkit.declare_shard?)")
+    return _item(path, [first], first.entry["shape"])
+
+
+def _merged(path: str, parts: list[Part], more: list[Part]) -> Item:
+    """The shards of one tensor, checked to tile its global shape exactly once (parts
+    with the same chunks must hold the same bytes; one of them is used). The parts of
+    ``more`` (other data-parallel ranks) are added only when ``parts`` do not cover it."""
+    known = {tuple(_chunks(p)) for p in parts if p.entry["shard"]}
+    shard = parts[0].entry["shard"]
+    if shard is not None and sum(c.numel for cs in known for c in cs) < \
+            math.prod(shard["global_shape"]):
+        parts = parts + [p for p in more if not p.entry["shard"]
+                         or tuple(_chunks(p)) not in known]
+    ranks = [p.rank for p in parts]
+    gshapes = {tuple(p.entry["shard"]["global_shape"]) if p.entry["shard"] else None
+               for p in parts}
     dtypes = {(p.entry["kind"], p.entry["dtype"]) for p in parts}
-    if len(dims) != 1 or len(gshapes) != 1 or len(dtypes) != 1:
+    if None in gshapes or len(gshapes) != 1 or len(dtypes) != 1:
         raise ExportError(f"cannot export tensor {path!r}: its shards on ranks "
-                          f"{_compact(ranks)} disagree on shard_dim {sorted(dims)}, "
-                          f"global_shape {sorted(gshapes)} or dtype {sorted(dtypes)}")
-    dim, gshape = dims.pop(), list(gshapes.pop())
-    if not 0 <= dim < len(gshape) or any(n < 0 for n in gshape):
-        raise ExportError(f"cannot export tensor {path!r}: shard_dim {dim} outside its "
-                          f"global shape {gshape}")
-    by_offset: dict[int, Part] = {}
+                          f"{_compact(ranks)} disagree on global_shape "
+                          f"{sorted(gshapes, key=str)} or dtype {sorted(dtypes)} (or some are "
+                          f"not declared shards)")
+    gshape = list(gshapes.pop() or ())
+    by_chunks: dict[tuple[Chunk, ...], Part] = {}
     for part in parts:
-        off = part.entry["shard"]["offset"]
-        other = by_offset.setdefault(off, part)
+        other = by_chunks.setdefault(tuple(_chunks(part)), part)
         if other.entry["checksum"] != part.entry["checksum"]:
             raise ExportError(f"cannot export tensor {path!r}: ranks {other.rank} and "
-                              f"{part.rank} hold different shards at offset {off} of "
-                              f"dimension {dim}")
-    pos = 0
-    for off, part in sorted(by_offset.items()):
-        shape = part.entry["shape"]
-        if (off != pos or len(shape) != len(gshape)
-                or shape[:dim] + shape[dim + 1:] != gshape[:dim] + gshape[dim + 1:]):
-            raise ExportError(f"cannot export tensor {path!r}: the shard of rank {part.rank} "
-                              f"(shape {shape}, offset {off}) does not continue the {gshape} "
-                              f"tensor at {pos} along dimension {dim}")
-        pos += shape[dim]
-    if pos != gshape[dim]:
-        raise ExportError(f"cannot export tensor {path!r}: shards cover {pos} of "
-                          f"{gshape[dim]} along dimension {dim}")
-    return _item([p for _, p in sorted(by_offset.items())], gshape, dim)
+                              f"{part.rank} hold different data for the same chunks")
+    used = sorted(by_chunks.values(), key=lambda p: _chunks(p)[0].offsets)
+    boxes = [_chunks(p) for p in used]
+    flat = [c for cs in boxes for c in cs]
+    clash = first_overlap(flat)
+    covered = sum(c.numel for c in flat)
+    if clash is not None or covered != math.prod(gshape):
+        owner = [p.rank for p, cs in zip(used, boxes) for _ in cs]
+        why = (f"the shards of ranks {owner[clash[0]]} and {owner[clash[1]]} overlap"
+               if clash is not None else
+               f"the shards cover {covered} of its {math.prod(gshape)} elements")
+        raise ExportError(f"cannot export tensor {path!r} ({gshape}): {why}")
+    if all(len(cs) == 1 and list(cs[0].sizes[1:]) == gshape[1:] for cs in boxes):
+        return _item(path, used, gshape)               # slices along dim 0, in order
+    return _item(path, used, gshape, boxes)
 
 
 def _layout(reader: Any) -> tuple[int, int, int, int]:
@@ -187,35 +220,62 @@ def _parts(reader: Any, rank: int, rep: Reporter) -> tuple[Any, list[Part]]:
     return group, parts
 
 
+def _rank_local(group: Any) -> set[int]:
+    """Indices of a rank's tensors that are its own by nature (``ftkit.RNGState``: every
+    rank draws its own streams): the lowest rank's copy is exported."""
+    try:
+        return rank_local_indices(group.tree)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ExportError(f"{group.where}: tree attribute does not decode: {exc}") from exc
+
+
+def _partial(part: Part) -> bool:
+    """Whether a part is a declared shard that is not the whole of its global tensor."""
+    shard = part.entry["shard"]
+    return shard is not None and sum(math.prod(size) for _, size in shard["chunks"]) < \
+        math.prod(shard["global_shape"])
+
+
 def plan(reader: Any, rep: Reporter) -> tuple[list[Item], str, int]:
     """(the tensors to export, where they come from, how many the tree(s) hold); reads no
-    tensor data. ExportError / CorruptCheckpointError when the step cannot be exported."""
+    tensor data. ExportError / CorruptCheckpointError when the step cannot be exported.
+    Data-parallel ranks are replicas: the ``dp_idx == 0`` ranks' tensors are used, and
+    those of other ranks only for a tensor whose declared shards they do not cover (state
+    sharded across data-parallel ranks, e.g. FSDP)."""
     world, tp, pp, linked = _layout(reader)
-    if tp * pp == 1:
-        group, parts = _parts(reader, 0, rep)
+    group, parts = _parts(reader, 0, rep)
+    if tp * pp == 1 and not any(_partial(p) for p in parts):
         source = f"rank 0 (data-parallel replicas, world {world})" if world > 1 else "rank 0"
-        return ([_item([p], p.entry["shape"], None) for p in parts], source,
+        return ([_item(_key(p), [p], p.entry["shape"]) for p in parts], source,
                 count_tensors(group.tree))
     if linked < world:
         raise ExportError(f"{reader.path}: links {linked} ranks but world is {world}")
     held: dict[str, list[Part]] = {}
-    used = []
+    others: dict[str, list[Part]] = {}
+    first = []
     for rank in range(world):
-        group, parts = _parts(reader, rank, rep)
+        if rank:
+            group, parts = _parts(reader, rank, rep)
         dp_idx = group.topology.get("dp_idx", (rank // tp) % (world // (tp * pp)))
         if not isinstance(dp_idx, int) or isinstance(dp_idx, bool):
             raise ExportError(f"{group.where}: topology dp_idx {dp_idx!r} is not an integer")
         if dp_idx == 0:
-            used.append(rank)
-            for part in parts:
-                held.setdefault(part.entry["path"], []).append(part)
-    if len(used) != tp * pp:
-        raise ExportError(f"{reader.path}: ranks [{_compact(used)}] have dp_idx 0, but tp x "
+            first.append(rank)
+        local = _rank_local(group)
+        into = held if dp_idx == 0 else others
+        for part in parts:
+            same = into.setdefault(_key(part), [])
+            if not (same and part.entry["index"] in local):
+                same.append(part)
+    if len(first) != tp * pp:
+        raise ExportError(f"{reader.path}: ranks [{_compact(first)}] have dp_idx 0, but tp x "
                           f"pp = {tp * pp} ranks must (topology attributes do not match the "
                           f"index's world {world}, tp {tp}, pp {pp})")
-    items = [_item(ps, ps[0].entry["shape"], None)
-             if len(ps) == 1 and ps[0].entry["shard"] is None else _merged(path, ps)
-             for path, ps in held.items()]
+    declared = any(p.entry["shard"] is not None for ps in held.values() for p in ps)
+    items = [(_item(path, ps, ps[0].entry["shape"]) if len(ps) == 1 else
+              _replica(path, ps, declared)) if all(p.entry["shard"] is None for p in ps)
+             else _merged(path, ps, others.get(path, [])) for path, ps in held.items()]
+    used = sorted({p.rank for item in items for p in item.parts})
     return items, f"merged from ranks {_compact(used)} (tp {tp}, pp {pp}, world {world})", \
         len(held)
 
@@ -276,50 +336,93 @@ def _part_blocks(part: Part, rep: Reporter) -> Iterator[np.ndarray]:
     check.check()
 
 
-def _rows(part: Part, start: int, count: int, isz: int) -> np.ndarray:
-    """Rows ``start:start+count`` (dimension 0) of a part as uint8 ``(count, ..., isz)``."""
-    shape = part.entry["shape"]
-    row = math.prod(shape[1:]) * isz
-    if tuple(part.ds.shape) != tuple(shape):          # stored as raw bytes
-        data = _read(part, lambda: part.ds[start * row:(start + count) * row])
-    else:
-        data = _read(part, lambda: part.ds[start:start + count])
-    return _raw(data).reshape(count, *shape[1:], isz)
-
-
-def _merged_blocks(item: Item, rep: Reporter) -> Iterator[np.ndarray]:
-    """A tensor merged along ``item.dim`` >= 1, in blocks of rows of every shard."""
-    isz = itemsize(item.parts[0].entry["kind"], item.parts[0].entry["dtype"])
-    checks = [_Checked(p) for p in item.parts]
-    row = sum(math.prod(p.entry["shape"][1:]) for p in item.parts) * isz
-    step = max(1, BLOCK_BYTES // max(1, row))
-    for start in range(0, item.shape[0], step):
-        count = min(step, item.shape[0] - start)
-        pieces = []
-        for check in checks:
-            rep.progress(check.part.where)
-            rows = _rows(check.part, start, count, isz)
-            check.add(rows)
-            pieces.append(rows)
-        block = _raw(np.concatenate(pieces, axis=item.dim))
-        rep.progress(nbytes=block.nbytes)
-        yield block
-    for check in checks:
-        check.check()
-
-
 def item_blocks(item: Item, rep: Reporter) -> Iterator[np.ndarray]:
-    """The bytes of one exported tensor (little-endian, C order), block by block."""
-    if item.dim:
-        blocks = _merged_blocks(item, rep)
-    else:
-        blocks = (b for part in item.parts for b in _part_blocks(part, rep))
-    for block in blocks:
-        yield block if item.swap is None else block.view(item.swap).byteswap().view(np.uint8)
+    """The bytes of an exported tensor whose parts follow one another (``item.boxes``
+    None), little-endian, block by block."""
+    for part in item.parts:
+        for block in _part_blocks(part, rep):
+            yield block if item.swap is None else \
+                block.view(item.swap).byteswap().view(np.uint8)
+
+
+class _Stream:
+    """A part's bytes (checked against its checksum once all are taken) handed out in
+    pieces of the sizes asked for."""
+
+    def __init__(self, part: Part, rep: Reporter) -> None:
+        self.part, self.blocks, self.left = part, _part_blocks(part, rep), np.empty(0, np.uint8)
+
+    def take(self, n: int) -> np.ndarray:
+        pieces, have = [self.left], self.left.nbytes
+        while have < n:
+            block = next(self.blocks, None)
+            if block is None:
+                raise ExportError(f"{self.part.where}: ended after {have} of the bytes its "
+                                  f"shard chunks need (rank {self.part.rank})")
+            pieces.append(block)
+            have += block.nbytes
+        data = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        self.left = data[n:]
+        return data[:n]
+
+    def finish(self) -> None:
+        rest = self.left.nbytes + sum(b.nbytes for b in self.blocks)   # checks the checksum
+        if rest:
+            raise ExportError(f"{self.part.where}: {rest} bytes left over after its shard "
+                              f"chunks (rank {self.part.rank})")
+
+
+def _place(box: np.ndarray, stream: _Stream, swap: np.dtype | None) -> None:
+    """Fill ``box`` (a strided uint8 view ``(*sizes, itemsize)`` of the output) with the
+    next bytes of ``stream`` in C order, at most about a block at a time."""
+    sizes, isz = box.shape[:-1], box.shape[-1]
+    k = len(sizes)          # units: the trailing dims from k on, as large as fit a block
+    while k > 0 and math.prod(sizes[k - 1:]) * isz <= BLOCK_BYTES:
+        k -= 1
+    unit = math.prod(sizes[k:]) * isz
+    lines: Iterable[tuple[int, ...]] = [()] if k == 0 else np.ndindex(*sizes[:k - 1])
+    count = 1 if k == 0 else sizes[k - 1]
+    per = 1 if k == 0 else max(1, BLOCK_BYTES // unit)
+    for line in lines:
+        for start in range(0, count, per):
+            m = min(per, count - start)
+            data = stream.take(m * unit)
+            if swap is not None:
+                data = data.view(swap).byteswap().view(np.uint8)
+            where: tuple[Any, ...] = (*line, slice(start, start + m)) if k else ()
+            box[where] = data.reshape(box[where].shape)
+
+
+def _place_all(item: Item, out: np.ndarray, rep: Reporter) -> None:
+    """Every part's chunks of ``item`` into ``out`` (uint8 ``(*shape, itemsize)``)."""
+    assert item.boxes is not None
+    for part, chunks in zip(item.parts, item.boxes):
+        stream = _Stream(part, rep)
+        for c in chunks:
+            _place(out[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))], stream,
+                   item.swap)
+        stream.finish()
 
 
 def _copy(item: Item, fh: IO[bytes] | None, rep: Reporter) -> None:
-    """Write one tensor's bytes to ``fh`` (None: only read and check them)."""
+    """Write one tensor's bytes at ``fh``'s position (None: only read and check them);
+    a tensor of shards anywhere is placed through a map of that part of the file."""
+    if item.boxes is not None and fh is not None and item.nbytes:
+        pos = fh.tell()
+        fh.flush()
+        os.ftruncate(fh.fileno(), max(os.fstat(fh.fileno()).st_size, pos + item.nbytes))
+        isz = item.nbytes // math.prod(item.shape)
+        out = np.memmap(fh, dtype=np.uint8, mode="r+", offset=pos,
+                        shape=(*item.shape, isz))
+        _place_all(item, out, rep)
+        out.flush()
+        del out
+        fh.seek(pos + item.nbytes)
+        return
+    if item.boxes is not None:
+        for part in item.parts:
+            _Stream(part, rep).finish()
+        return
     written = 0
     for block in item_blocks(item, rep):
         if fh is not None:
@@ -349,7 +452,7 @@ def write_safetensors(items: list[Item], out: Path, meta: dict[str, str],
         offset += item.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(out, "wb") as fh:
+    with open(out, "w+b") as fh:
         fh.write(struct.pack("<Q", len(text)) + text)
         for item in items:
             _copy(item, fh, rep)
@@ -385,7 +488,7 @@ def write_pt(items: list[Item], out: Path, scratch: Path, rep: Reporter) -> None
             tensors[item.key] = torch.empty(item.shape, dtype=dtype)
             continue
         path = scratch / f"{DATA}-{i}"
-        with open(path, "wb") as fh:
+        with open(path, "w+b") as fh:
             _copy(item, fh, rep)
         flat = torch.from_file(str(path), shared=True, size=item.nbytes, dtype=torch.uint8)
         tensors[item.key] = flat.view(dtype).reshape(item.shape)

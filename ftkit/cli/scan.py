@@ -312,7 +312,7 @@ def _entry(entry: dict[str, Any], file: Path | str) -> dict[str, Any]:
     return {"path": entry["path"], "dtype": entry["dtype"], "kind": entry["kind"],
             "shape": entry["shape"], "nbytes": entry["nbytes"], "checksum": entry["checksum"],
             "index": entry["index"], "file": str(file), "dataset": entry["name"],
-            "shard": entry["shard"]}
+            "shard": entry["shard"], "key": entry["key"]}
 
 
 def _rank_key(name: str) -> tuple[int, str]:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from ftkit.capture.flatten import DecodeError, TensorLeaf, flatten
 from ftkit.capture.inplace import plan_reading
 from ftkit.capture.landing import Gate, GatedLanding
+from ftkit.capture.rng import rank_local_indices
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
 from ftkit.errors import CheckpointError, CorruptCheckpointError
 from ftkit.recovery.plan import one_line
@@ -31,7 +32,6 @@ from ftkit.storage.pfs.level import PfsLevel, io_allowance
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of ftkit.RNGState
 
 
 def source_rank(step_dir: Any, topo: Any, meta: dict[str, Any] | None = None) -> int:
@@ -55,38 +55,6 @@ def source_rank(step_dir: Any, topo: Any, meta: dict[str, Any] | None = None) ->
     replicas = [c.pp * dp * tp + d * tp + c.tp for d in range(dp)]
     check_dp_replicas(Path(step_dir), int(meta["step"]), replicas)
     return replicas[c.dp % dp]
-
-
-def rank_local_indices(tree: Any) -> set[int]:
-    """Tensor indices of the state that legitimately differ between DP replicas: those of
-    ``ftkit.RNGState`` objects (each rank draws its own random streams)."""
-    found: set[int] = set()
-
-    def tensors(node: Any) -> None:
-        if isinstance(node, dict):
-            if node.get("t") == "tensor":
-                found.add(int(node["i"]))
-            for v in node.values():
-                tensors(v)
-        elif isinstance(node, list):
-            for v in node:
-                tensors(v)
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            inner = node.get("v")
-            if node.get("t") == "obj" and isinstance(inner, dict) and inner.get("t") == "dict":
-                keys = {k for k, _ in inner.get("items", [])}
-                if {"python", "numpy"} <= keys <= _RNG_KEYS:
-                    tensors(inner)
-                    return
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-    walk(tree)
-    return found
 
 
 def check_dp_replicas(step_dir: Path, step: int, replicas: list[int]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import itemsize
+from ftkit.capture.shards import ShardSpec
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files, hdf5
 
@@ -53,12 +54,45 @@ def tensor_entry(name: str, ds: Any, a: dict[str, Any]) -> dict[str, Any]:
     if ds.size * ds.dtype.itemsize != nbytes:
         raise ValueError(f"holds {ds.size * ds.dtype.itemsize} bytes, ftkit_shape {shape} of "
                          f"{dtype} needs {nbytes}")
-    dim = _int(a["shard_dim"], "shard_dim")
-    shard = None if dim < 0 else {"dim": dim, "offset": _int(a["shard_offset"], "shard_offset"),
-                                  "global_shape": _ints(a["global_shape"], "global_shape")}
+    key = a.get("ftkit_key")
+    if key is not None and not isinstance(key, str):
+        raise ValueError(f"ftkit_key {key!r} is not a string")
     return {"path": path, "kind": kind, "dtype": dtype, "shape": shape, "nbytes": nbytes,
             "checksum": digest, "index": _int(a["ftkit_index"], "ftkit_index"),
-            "name": str(ds.name), "dataset_name": name, "shard": shard}
+            "name": str(ds.name), "dataset_name": name, "shard": shard_of(a, shape),
+            "key": key}
+
+
+def shard_of(a: dict[str, Any], shape: list[int]) -> dict[str, Any] | None:
+    """Where a dataset (plain attrs ``a``, tensor ``shape``) lies in its global tensor:
+    None when it is not a declared shard (``shard_dim`` -1), else ``{"dim", "offset",
+    "global_shape", "chunks"}`` (``dim``/``offset`` None for several chunks or dimensions;
+    ``chunks``: ``[[offsets], [sizes]]`` each). Files without ``shard_offsets`` describe one
+    slice along ``shard_dim``. ValueError/TypeError when the attributes disagree."""
+    dim = _int(a["shard_dim"], "shard_dim")
+    if dim == -1:
+        return None
+    gshape = _ints(a["global_shape"], "global_shape")
+    offset = _int(a["shard_offset"], "shard_offset")
+    if "shard_offsets" in a or "shard_sizes" in a:
+        offsets, sizes = a.get("shard_offsets"), a.get("shard_sizes")
+        if not (isinstance(offsets, list) and isinstance(sizes, list)
+                and len(offsets) == len(sizes)):
+            raise ValueError(f"shard_offsets {offsets!r} and shard_sizes {sizes!r} are not "
+                             f"lists of one row per chunk")
+        chunks = list(zip(offsets, sizes))
+    elif dim >= 0 and len(shape) == len(gshape):
+        chunks = [([offset if d == dim else 0 for d in range(len(gshape))], shape)]
+    else:
+        raise ValueError(f"shard_dim {dim} without shard_offsets/shard_sizes")
+    spec = ShardSpec.from_json({"global_shape": gshape, "chunks": [list(c) for c in chunks]},
+                               math.prod(shape))
+    want = -2 if spec.dim is None else spec.dim
+    if dim != want or (dim >= 0 and offset != spec.chunks[0].offsets[dim]):
+        raise ValueError(f"shard_dim {dim} / shard_offset {offset} do not describe chunks "
+                         f"{spec.to_json()['chunks']}")
+    return {"dim": spec.dim, "offset": None if spec.dim is None else offset,
+            "global_shape": gshape, "chunks": spec.to_json()["chunks"]}
 
 
 def count_tensors(node: Any) -> int:

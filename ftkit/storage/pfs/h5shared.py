@@ -128,7 +128,7 @@ def _create_group(h5: Any, header: dict[str, Any], topology: dict[str, Any]
     for i, name in enumerate(hdf5.dataset_names(header["tensors"])):
         t = header["tensors"][i]
         ds = hdf5.create_unfilled(grp, name, t)
-        ds.attrs.update(hdf5.tensor_attrs(t, i))
+        ds.attrs.update(hdf5.tensor_attrs(header, i))
         offsets.append(int(ds.id.get_offset()) if t["nbytes"] else None)
     hdf5.seal(grp)
     return offsets

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ import numpy as np
 import xxhash
 
 from ftkit import passes
+from ftkit.capture.shards import ShardSpec, header_table
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files
 from ftkit.storage.pfs.h5sink import H5Sink, write_new_file
@@ -246,12 +248,33 @@ def create_rank_group(h5: Any, header: dict[str, Any], topology: dict[str, Any])
     return grp
 
 
-def tensor_attrs(t: dict[str, Any], index: int) -> dict[str, Any]:
-    """The attributes of the dataset of tensor ``index`` of a shard (header entry ``t``)."""
-    return {"checksum": t["checksum"], "ftkit_kind": t["kind"], "ftkit_dtype": t["dtype"],
-            "ftkit_index": index, "ftkit_raw": storage_dtype(t) is None,
-            "ftkit_path": t["path"], "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
-            "global_shape": list(t["shape"]) or [0], "shard_offset": 0, "shard_dim": -1}
+def tensor_attrs(header: dict[str, Any], index: int) -> dict[str, Any]:
+    """The attributes of the dataset of tensor ``index`` of a shard with ``header``: its
+    description, and where the tensor is a declared shard (header ``shards``,
+    :mod:`ftkit.capture.shards`) ``global_shape``, ``shard_dim`` (the one dimension it is
+    cut along; -2: several chunks or dimensions, -1: not a shard), ``shard_offset`` and
+    ``shard_offsets``/``shard_sizes`` (one row per chunk); ``ftkit_key`` its global name
+    where the header has one (header ``keys``). ValueError for a spec that does not fit."""
+    t = header["tensors"][index]
+    attrs = {"checksum": t["checksum"], "ftkit_kind": t["kind"], "ftkit_dtype": t["dtype"],
+             "ftkit_index": index, "ftkit_raw": storage_dtype(t) is None,
+             "ftkit_path": t["path"], "ftkit_shape": np.asarray(t["shape"], dtype=np.int64),
+             "global_shape": list(t["shape"]) or [0], "shard_offset": 0, "shard_dim": -1}
+    found = header_table(header, "shards").get(str(index))
+    if found is not None:
+        spec = ShardSpec.from_json(found, math.prod(t["shape"]))
+        dim = spec.dim
+        attrs.update(
+            global_shape=list(spec.global_shape), shard_dim=-2 if dim is None else dim,
+            shard_offset=0 if dim is None else spec.chunks[0].offsets[dim],
+            shard_offsets=np.asarray([c.offsets for c in spec.chunks], dtype=np.int64),
+            shard_sizes=np.asarray([c.sizes for c in spec.chunks], dtype=np.int64))
+    key = header_table(header, "keys").get(str(index))
+    if key is not None:
+        if not isinstance(key, str):
+            raise ValueError(f"tensor {index}: key {key!r} is not a string")
+        attrs["ftkit_key"] = key
+    return attrs
 
 
 def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
@@ -268,7 +291,7 @@ def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
             raise corrupt_shard(shard, t)
         data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
         ds = grp.create_dataset(name, data=data)          # contiguous
-    ds.attrs.update(tensor_attrs(t, i))
+    ds.attrs.update(tensor_attrs(shard.header, i))
 
 
 def create_unfilled(grp: Any, name: str, t: dict[str, Any]) -> Any:
