@@ -146,7 +146,8 @@ def test_inspect_json_matches_the_files(toy_job: Path,
             assert sorted(truth) == list(range(WORLD))
             assert sorted(s["ranks"]) == [str(r) for r in range(WORLD)]
             for rank, expected in truth.items():
-                listed = {t["path"]: {k: t[k] for k in ("dtype", "shape", "nbytes", "checksum")}
+                listed = {t["key"] or t["path"]: {k: t[k] for k in ("dtype", "shape", "nbytes",
+                                                                   "checksum")}
                           for t in s["ranks"][str(rank)]}
                 assert listed == expected, rank
                 own = f"rank-{rank}.h5"                 # every rank wrote its own file
