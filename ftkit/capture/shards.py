@@ -157,9 +157,10 @@ def declare_shard(tensor: Any, global_shape: Sequence[int],
     """Declare that ``tensor`` (a torch tensor or parameter of this rank) is a piece of a
     tensor of ``global_shape``: the box at ``offsets`` with the tensor's own shape, or, with
     ``chunks`` (``[(offsets, sizes), ...]``), those boxes one after the other in C order.
-    Returns ``tensor``. Declare after the tensor has its final memory (e.g. after
-    ``.to(device)``: a parameter moved later is a new tensor); the optimizer's state for
-    a declared parameter follows it. Local; ValueError when the pieces do not fit."""
+    Returns ``tensor``. The declaration is an attribute of the tensor object: a parameter
+    moved by ``module.to()`` keeps it, a new tensor (``t = t.to(device)``) needs its own;
+    the optimizer's state for a declared parameter follows it. Local; ValueError when the
+    pieces do not fit."""
     if "torch" not in sys.modules or not isinstance(tensor, sys.modules["torch"].Tensor):
         raise TypeError(f"declare_shard needs a torch tensor, not {type(tensor).__name__}")
     if (offsets is None) == (chunks is None):
@@ -230,25 +231,25 @@ def _index(state: Any) -> dict[tuple[Any, ...], _Found]:
     """Declared specs and global keys of the tensors that modules and optimizers in
     ``state`` hold, by storage (:func:`_storage_key`)."""
     found: dict[tuple[Any, ...], _Found] = {}
-    params: dict[int, tuple[str, ShardSpec | None, Any]] = {}
+    params: dict[int, tuple[str, ShardSpec | None]] = {}
     objects = list(_objects(state, ""))
     for path, obj in objects:
         named = getattr(obj, "named_parameters", None)
         if named is None:
             continue
         for name, p in [*named(), *obj.named_buffers()]:
-            params.setdefault(id(p), (f"{path}/{name}" if path else name,
-                                      getattr(p, ATTR, None), p))
-            key = _storage_key(p)
-            if key is not None and getattr(p, ATTR, None) is not None:
-                found.setdefault(key, _Found(getattr(p, ATTR)))
+            spec = getattr(p, ATTR, None)
+            params.setdefault(id(p), (f"{path}/{name}" if path else name, spec))
+            key = _storage_key(p) if spec is not None else None
+            if key is not None:
+                found.setdefault(key, _Found(spec))
     for path, obj in objects:
         if hasattr(obj, "param_groups") and isinstance(getattr(obj, "state", None), dict):
             _optimizer(obj, path, params, found)
     return found
 
 
-def _optimizer(opt: Any, where: str, params: dict[int, tuple[str, ShardSpec | None, Any]],
+def _optimizer(opt: Any, where: str, params: dict[int, tuple[str, ShardSpec | None]],
                found: dict[tuple[Any, ...], _Found]) -> None:
     """The key (``<where>/state/<parameter path>/<name>``) of every state tensor of the
     optimizer ``opt`` at path ``where`` whose parameter has a path, and the parameter's
@@ -259,7 +260,7 @@ def _optimizer(opt: Any, where: str, params: dict[int, tuple[str, ShardSpec | No
             owner = params.get(id(p))
             if owner is None:
                 continue
-            path, spec, _ = owner
+            path, spec = owner
             for name, t in opt.state.get(p, {}).items():
                 key = _storage_key(t) if isinstance(t, torch.Tensor) else None
                 if key is None or key in found:

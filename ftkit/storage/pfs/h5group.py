@@ -88,11 +88,12 @@ def shard_of(a: dict[str, Any], shape: list[int]) -> dict[str, Any] | None:
     spec = ShardSpec.from_json({"global_shape": gshape, "chunks": [list(c) for c in chunks]},
                                math.prod(shape))
     want = -2 if spec.dim is None else spec.dim
+    described = spec.to_json()["chunks"]
     if dim != want or (dim >= 0 and offset != spec.chunks[0].offsets[dim]):
         raise ValueError(f"shard_dim {dim} / shard_offset {offset} do not describe chunks "
-                         f"{spec.to_json()['chunks']}")
+                         f"{described}")
     return {"dim": spec.dim, "offset": None if spec.dim is None else offset,
-            "global_shape": gshape, "chunks": spec.to_json()["chunks"]}
+            "global_shape": gshape, "chunks": described}
 
 
 def count_tensors(node: Any) -> int:
