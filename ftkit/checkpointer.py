@@ -161,7 +161,9 @@ class Checkpointer:
             self._start_fresh()
             return 0
         found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
-                                  run_id=self.run_id, rank_node=list(self.topo.rank_node))
+                                  run_id=self.run_id, rank_node=list(self.topo.rank_node),
+                                  layout={"dp": self.topo.dp, "tp": self.topo.tp,
+                                          "pp": self.topo.pp})
         discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
         step, level, pfs_unusable = self._load_newest(found, state)
         if not step and (found.unusable() or pfs_unusable):

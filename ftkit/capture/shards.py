@@ -212,7 +212,7 @@ class _Found:
     key: str | None = None
 
 
-def _objects(node: Any, path: str, depth: int = 0) -> Iterable[tuple[str, Any]]:
+def objects_of(node: Any, path: str = "", depth: int = 0) -> Iterable[tuple[str, Any]]:
     """(path, object) of every object with a ``state_dict`` reachable through plain
     containers, in flatten's path spelling."""
     if depth > 100:
@@ -221,35 +221,45 @@ def _objects(node: Any, path: str, depth: int = 0) -> Iterable[tuple[str, Any]]:
         yield path, node
     elif isinstance(node, dict):
         for k, v in node.items():
-            yield from _objects(v, f"{path}/{k}" if path else str(k), depth + 1)
+            yield from objects_of(v, f"{path}/{k}" if path else str(k), depth + 1)
     elif isinstance(node, (list, tuple)):
         for i, v in enumerate(node):
-            yield from _objects(v, f"{path}/{i}", depth + 1)
+            yield from objects_of(v, f"{path}/{i}", depth + 1)
+
+
+def param_paths(state: Any, objects: list[tuple[str, Any]] | None = None
+                ) -> dict[int, tuple[str, ShardSpec | None, Any]]:
+    """``id(tensor) -> (path, declared spec or None, tensor)`` of every parameter and
+    buffer of the modules in ``state`` (``objects``: :func:`objects_of` of it, when
+    known); a tensor shared by several modules keeps its first path."""
+    params: dict[int, tuple[str, ShardSpec | None, Any]] = {}
+    for path, obj in objects if objects is not None else objects_of(state):
+        named = getattr(obj, "named_parameters", None)
+        if named is None:
+            continue
+        for name, p in [*named(), *obj.named_buffers()]:
+            params.setdefault(id(p), (f"{path}/{name}" if path else name,
+                                      getattr(p, ATTR, None), p))
+    return params
 
 
 def _index(state: Any) -> dict[tuple[Any, ...], _Found]:
     """Declared specs and global keys of the tensors that modules and optimizers in
     ``state`` hold, by storage (:func:`_storage_key`)."""
     found: dict[tuple[Any, ...], _Found] = {}
-    params: dict[int, tuple[str, ShardSpec | None]] = {}
-    objects = list(_objects(state, ""))
-    for path, obj in objects:
-        named = getattr(obj, "named_parameters", None)
-        if named is None:
-            continue
-        for name, p in [*named(), *obj.named_buffers()]:
-            spec = getattr(p, ATTR, None)
-            params.setdefault(id(p), (f"{path}/{name}" if path else name, spec))
-            key = _storage_key(p) if spec is not None else None
-            if key is not None:
-                found.setdefault(key, _Found(spec))
+    objects = list(objects_of(state))
+    params = param_paths(state, objects)
+    for _, spec, p in params.values():
+        key = _storage_key(p) if spec is not None else None
+        if key is not None:
+            found.setdefault(key, _Found(spec))
     for path, obj in objects:
         if hasattr(obj, "param_groups") and isinstance(getattr(obj, "state", None), dict):
             _optimizer(obj, path, params, found)
     return found
 
 
-def _optimizer(opt: Any, where: str, params: dict[int, tuple[str, ShardSpec | None]],
+def _optimizer(opt: Any, where: str, params: dict[int, tuple[str, ShardSpec | None, Any]],
                found: dict[tuple[Any, ...], _Found]) -> None:
     """The key (``<where>/state/<parameter path>/<name>``) of every state tensor of the
     optimizer ``opt`` at path ``where`` whose parameter has a path, and the parameter's
@@ -260,7 +270,7 @@ def _optimizer(opt: Any, where: str, params: dict[int, tuple[str, ShardSpec | No
             owner = params.get(id(p))
             if owner is None:
                 continue
-            path, spec = owner
+            path, spec, _ = owner
             for name, t in opt.state.get(p, {}).items():
                 key = _storage_key(t) if isinstance(t, torch.Tensor) else None
                 if key is None or key in found:

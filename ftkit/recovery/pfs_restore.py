@@ -24,7 +24,9 @@ from ftkit.capture.landing import Gate, GatedLanding
 from ftkit.capture.rng import rank_local_indices
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
 from ftkit.errors import CheckpointError, CorruptCheckpointError
+from ftkit.recovery import reshard
 from ftkit.recovery.plan import one_line
+from ftkit.recovery.reshard import Resharded
 from ftkit.recovery.restore import check_fits, load_agreed
 from ftkit.storage.pfs import h5read
 from ftkit.storage.pfs.h5read import StepReader
@@ -43,13 +45,13 @@ def source_rank(step_dir: Any, topo: Any, meta: dict[str, Any] | None = None) ->
     if meta is None:
         meta = h5read.read_index_attrs(Path(step_dir))
     world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
-    if world == topo.world:
-        return int(topo.rank)
     if (tp, pp) != (topo.tp, topo.pp):
         raise CheckpointError(int(meta["step"]), {}, message=(
             f"{step_dir} was saved with tp={tp} pp={pp} on {world} ranks; this job has "
-            f"tp={topo.tp} pp={topo.pp}: changing TP/PP needs shard attributes "
-            f"(shard_dim) that these tensors do not carry"))
+            f"tp={topo.tp} pp={topo.pp}: changing TP/PP needs declared shards "
+            f"(ftkit.declare_shard, DTensor), and these tensors declare none"))
+    if world == topo.world:
+        return int(topo.rank)
     dp = world // (tp * pp)
     c = topo.coords
     replicas = [c.pp * dp * tp + d * tp + c.tp for d in range(dp)]
@@ -84,22 +86,16 @@ class _Opened:
     """A PFS step opened for restore by one rank: the verified index and group of the
     saved rank it loads, and where each tensor will land (nothing read into the state)."""
 
-    def __init__(self, pfs: PfsLevel, step: int, state: Any) -> None:
-        step_dir = pfs.step_dir(step)
-        self.reader = StepReader(step_dir, step, job=pfs.config.job, require_commit=True)
+    def __init__(self, reader: StepReader, src: int, state: Any, step: int) -> None:
+        self.reader = reader
+        self.group = self.reader.group(src)
+        leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
+                             e["nbytes"]) for e in self.group.entries]
         try:
-            src = source_rank(step_dir, pfs.topo, self.reader.meta)
-            self.group = self.reader.group(src)
-            leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
-                                 e["nbytes"]) for e in self.group.entries]
-            try:
-                self.reading = plan_reading(leaves, self.group.tree, state)
-            except DecodeError as exc:
-                raise CorruptCheckpointError(self.group.where, str(exc), rank=src, step=step,
-                                             level="pfs") from None
-        except BaseException:
-            self.reader.close()
-            raise
+            self.reading = plan_reading(leaves, self.group.tree, state)
+        except DecodeError as exc:
+            raise CorruptCheckpointError(self.group.where, str(exc), rank=src, step=step,
+                                         level="pfs") from None
 
     def read(self, gate: Gate, progress: Callable[[int], None]) -> None:
         """Every tensor into its destination (live ones through ``gate``), each checked
@@ -116,8 +112,25 @@ class _Opened:
 
 
 def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
-          ) -> _Opened:
-    return _Opened(pfs, step, state)
+          ) -> _Opened | Resharded:
+    """Open PFS ``step`` for this rank: its own group when the layout is the same; on
+    another layout, every saved group when the step declares its shards
+    (:mod:`ftkit.recovery.reshard`), else a DP replica (:func:`source_rank`). Local."""
+    topo = pfs.topo
+    step_dir = pfs.step_dir(step)
+    reader = StepReader(step_dir, step, job=pfs.config.job, require_commit=True)
+    try:
+        meta = reader.meta
+        if (int(meta["world"]), int(meta["tp"]), int(meta["pp"])) == (topo.world, topo.tp,
+                                                                       topo.pp):
+            return _Opened(reader, topo.rank, state, step)
+        groups = {r: reader.group(r) for r in range(int(meta["world"]))}
+        if reshard.declared(groups):
+            return Resharded(reader, groups, topo, state, step)
+        return _Opened(reader, source_rank(step_dir, topo, meta), state, step)
+    except BaseException:
+        reader.close()
+        raise
 
 
 STALLED = "made no progress"

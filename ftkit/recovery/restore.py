@@ -67,10 +67,12 @@ class Discovery:
 
 
 def discover(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None], *,
-             run_id: str | None = None, rank_node: list[int] | None = None) -> Discovery:
+             run_id: str | None = None, rank_node: list[int] | None = None,
+             layout: dict[str, int] | None = None) -> Discovery:
     """Agree on the newest committed step every rank can load, rebuilding lost shards when
-    a redundancy level allows. Steps whose COMMITTED record names another world size or
-    another run are excluded (see :class:`Discovery`); a step saved with another rank to
+    a redundancy level allows. Steps whose COMMITTED record names another world size,
+    another DP x TP x PP ``layout`` or another run are excluded (see :class:`Discovery`;
+    the PFS level reshards); a step saved with another rank to
     node map is tried like any other, and its reason says how the map differs. Nothing is
     deleted here. All ranks call."""
     faults.fire("restore-discover", None)
@@ -81,7 +83,7 @@ def discover(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., N
     every = [g["steps"] for g in gathered]
     committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
                        reverse=True)
-    excluded = _other_identity(every, committed, dc.size, run_id, local.root.parent)
+    excluded = _other_identity(every, committed, dc.size, run_id, local.root.parent, layout)
     committed = [s for s in committed if s not in excluded]
     levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
                  or ["local"] for s in committed}
@@ -215,8 +217,9 @@ def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, report
 
 
 def _other_identity(every: list[dict[str, Any]], committed: list[int], world: int,
-                    run_id: str | None, where: Any) -> dict[int, str]:
-    """Committed steps written by another world size or another run, with why (never
+                    run_id: str | None, where: Any, layout: dict[str, int] | None = None
+                    ) -> dict[int, str]:
+    """Committed steps written by another world size, layout or run, with why (never
     used, never overwritten while nothing else is usable)."""
     out: dict[int, str] = {}
     for step in committed:
@@ -224,15 +227,25 @@ def _other_identity(every: list[dict[str, Any]], committed: list[int], world: in
         worlds = sorted({v["w"] for v in recs if v.get("w") is not None and v["w"] != world})
         runs = sorted({v["run"] for v in recs
                        if run_id and v.get("run") is not None and v["run"] != run_id})
+        layouts = [v["layout"] for v in recs if layout and v.get("layout") is not None
+                   and v["layout"] != layout]
         if worlds:
             out[step] = (f"written by a job of {worlds[0]} ranks under {where}, and this job "
                          f"has {world}; relaunch with {worlds[0]} ranks (or use another "
                          f"FTKIT_JOB, or a PFS level to reshard from)")
+        elif layouts:
+            out[step] = (f"written with layout {_layout_text(layouts[0])} under {where}, and "
+                         f"this job runs {_layout_text(layout or {})}: node-local shards hold "
+                         f"that layout's pieces (a PFS level reshards)")
         elif runs:
             out[step] = (f"belongs to another run ({runs[0]}) of job {Path(str(where)).name} "
                          f"under {where}; this run is {run_id} (its identity is kept in the "
                          f"job's PFS directory): another run's checkpoint is never resumed")
     return out
+
+
+def _layout_text(layout: dict[str, int]) -> str:
+    return " ".join(f"{k}{layout.get(k)}" for k in ("dp", "tp", "pp"))
 
 
 def try_load(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,

@@ -210,19 +210,22 @@ class LocalLevel(Level):
             self.shard_path(step).unlink(missing_ok=True)   # never a permanent version
 
     def record_info(self, step: int) -> dict[str, Any]:
-        """``{"w": world size, "levels": [...], "run": run id, "nodes": rank -> node}`` from
-        the node's commit record of ``step`` (``w`` None when absent or unreadable; ``run``
-        and ``nodes`` None when the record does not say)."""
+        """``{"w": world size, "levels": [...], "run": run id, "nodes": rank -> node,
+        "layout": {"dp", "tp", "pp"}}`` from the node's commit record of ``step`` (``w`` None
+        when absent or unreadable; ``run``, ``nodes`` and ``layout`` None when the record
+        does not say)."""
         path = self.step_dir(step) / COMMITTED
         try:
             rec = json.loads(read_file(path)) if self.file_problem(path) is None else {}
-            nodes = rec.get("nodes")
+            nodes, layout = rec.get("nodes"), rec.get("layout")
             return {"w": int(rec["world"]), "levels": [str(x) for x in rec.get("levels",
                                                                              ["local"])],
                     "run": None if rec.get("run") is None else str(rec["run"]),
-                    "nodes": None if nodes is None else [int(n) for n in nodes]}
+                    "nodes": None if nodes is None else [int(n) for n in nodes],
+                    "layout": None if layout is None else
+                    {k: int(layout[k]) for k in ("dp", "tp", "pp")}}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return {"w": None, "levels": [], "run": None, "nodes": None}
+            return {"w": None, "levels": [], "run": None, "nodes": None, "layout": None}
 
     def record_world(self, step: int) -> int | None:
         """World size in the node's commit record of ``step`` (None if absent/unreadable)."""

@@ -5,6 +5,8 @@
 * Their checkpoints agree: the example declares its TP slices (``ftkit.declare_shard``), so
   ``ftkit export`` of the last step (on the PFS) gives the same global tensors, parameters and
   Adam state, named by parameter, whatever the layout.
+* A checkpoint moves between layouts: dp2 tp2 pp2's PFS step 15, restored on 1, 4 and 8 ranks
+  of other layouts, continues with the losses and Adam state of that layout's own run.
 (Bit-exact resume within one layout after faults: test_hp_faults.py.)
 
 Each run starts 1 or 8 Python ranks; on a 2-core box a 1-rank run of 20 steps takes ~5 s, an
@@ -12,6 +14,7 @@ Each run starts 1 or 8 Python ranks; on a 2-core box a 1-rank run of 20 steps ta
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +26,7 @@ from tests.e2e.jobs import FTKIT, Result, run_example
 
 STEPS = 20
 SEED = 3
-LEVELS = "local:1,partner:1,pfs:20"     # the last step also goes to the PFS (exported)
+LEVELS = "local:1,partner:1,pfs:5"      # the PFS keeps steps 15 and 20 (20 is exported)
 # Layouts differ only in float summation order (TP all-reduces, DP all-reduce, micro-batch
 # grouping). Measured max relative loss difference against dp1 tp1 pp1 over 20 steps (seed 3,
 # CPU/gloo): 1.19e-7 for dp2 tp2 pp2 (4.2e-7 absolute), 8.1e-8 for dp4 tp1 pp2; 5 steps of
@@ -44,7 +47,7 @@ RunLayout = Callable[..., Result]
 def launch(tmp: Path, layout: Layout) -> Result:
     dp, tp, pp = layout
     n = dp * tp * pp
-    env = {"FTKIT_LEVELS": LEVELS if n > 1 else "local:1,pfs:20"}
+    env = {"FTKIT_LEVELS": LEVELS if n > 1 else "local:1,pfs:5"}
     args = ("--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--steps", str(STEPS),
             "--seed", str(SEED), "--global-batch", "16", "--micro-batches", "2")
     return run_example(tmp, "hp_gpt.py", n=n, args=args, ranks_per_node=2, env=env)
@@ -113,3 +116,47 @@ def test_exports_agree(reference: RunLayout, tmp_path: Path) -> None:
         worst[key] = (a - b).abs().max().item() / scale
     print("export differences (largest 3):", sorted(worst.items(), key=lambda kv: -kv[1])[:3])
     assert max(worst.values()) <= EXPORT_TOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+
+
+RESHARD_TARGETS = [(1, 1, 1), (2, 1, 2), (1, 2, 2), (4, 2, 1)]
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("target", RESHARD_TARGETS,
+                         ids=["dp1tp1pp1", "dp2tp1pp2", "dp1tp2pp2", "dp4tp2pp1"])
+def test_reshard_on_restore(target: Layout, reference: RunLayout, tmp_path: Path) -> None:
+    """dp2 tp2 pp2's PFS step 15 (8 ranks) restored on ``target``: every target rank reads
+    the saved pieces of its own slices (other TP cuts, other pipeline stages, fused QKV),
+    and the run continues with the losses of ``target``'s own uninterrupted run within
+    REL_TOL; its Adam moments at step 20 equal that run's (an Adam state reset at the
+    restore would leave exp_avg at 1 - 0.9^5 = 41 % of its value). dp4 tp2 pp1 has the
+    saved world size: it also finds the saved layout's node-local steps 19 and 20, which it
+    must not load (their shards hold dp2 tp2 pp2's slices)."""
+    saved = reference((2, 2, 2))
+    moved = tmp_path / "moved"
+    if target[0] * target[1] * target[2] == 8:          # the same world: local steps too
+        (moved / "local").mkdir(mode=0o700, parents=True)     # node-local dirs are private
+        shutil.copytree(saved.local, moved / "local" / "e2e")
+    shutil.copytree(saved.pfs, moved / "pfs")
+    shutil.rmtree(moved / "pfs" / "e2e" / "step-20")
+    res = launch(moved, target)
+    assert res.rc == 0, res.tail()
+    assert res.starts[0]["step"] == 15, res.tail()
+    assert res.starts[0]["layout"] == dict(zip(("dp", "tp", "pp"), target)), res.starts
+    assert "restored step 15 from the PFS level" in res.stderr, res.tail()
+    if (moved / "local").exists():         # the old layout's newer local step, kept aside
+        assert "parked as parked-step-20" in res.stderr, res.tail()
+    own = dict(losses(reference(target)))
+    resumed = losses(res)
+    assert [s for s, _ in resumed] == list(range(16, STEPS + 1)), res.tail()
+    worst = max(abs(loss - own[s]) / abs(own[s]) for s, loss in resumed)
+    assert worst <= REL_TOL, (worst, resumed, own)
+    mine = export(res, tmp_path / "resumed.pt")
+    theirs = export(reference(target), tmp_path / "own.pt")
+    moments = [k for k in theirs if k.startswith("optim/state/") and k.endswith("exp_avg")]
+    assert "optim/state/model/blocks.3.qkv_w/exp_avg" in moments, sorted(theirs)
+    for key in moments + [k.replace("exp_avg", "exp_avg_sq") for k in moments]:
+        a, b = theirs[key], mine[key]
+        scale = a.abs().max().item() or 1.0
+        assert (a - b).abs().max().item() / scale <= EXPORT_TOL, key
+

@@ -106,3 +106,44 @@ def test_dtensor_state_is_stored_as_local_pieces_exported_whole_and_restored(
             assert state["model"].weight is weight and isinstance(weight, DTensor)
             got = _locals(state)
             assert all(torch.equal(got[k], saved[k]) for k in saved), levels
+
+
+def _resharded_state(full: dict[str, Any]) -> dict[str, Any]:
+    """The same model on the same 4 ranks cut another way: the weight's rows over all 4
+    ranks, its columns whole; ``rows`` replicated; a fresh Adam (no state yet)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    line = init_device_mesh("cpu", (4,))
+    lin = torch.nn.Linear(6, 4)
+    lin.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), line, [Shard(0)]))
+    lin.bias = torch.nn.Parameter(distribute_tensor(torch.zeros(4), line, [Replicate()]))
+    opt = torch.optim.Adam(lin.parameters(), lr=0.5)
+    return {"model": lin, "optim": opt,
+            "rows": distribute_tensor(torch.zeros(10, 3), line, [Replicate()])}
+
+
+def test_dtensor_state_restored_on_another_layout(ftkit_env: Any, torch_group: None) -> None:
+    """Saved with tp=1 (weight cut 2 x 2, rows cut unevenly), restored under tp=2 with other
+    placements: the node-local step of the other layout is not used, the PFS step is
+    resharded into the new local pieces, Adam's moments follow their parameter's new cut."""
+    from torch.distributed.tensor import DTensor
+    full = _full()
+    state = _state(full)
+    whole_avg = state["optim"].state[state["model"].weight]["exp_avg"].full_tensor()
+    whole_w = state["model"].weight.full_tensor()           # after the Adam step
+    with topology() as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1,pfs:1"))
+        ckpt.save(1, state)
+        ckpt.close()
+    WORLD.Barrier()
+    new = _resharded_state(full)
+    weight = new["model"].weight
+    with topology(tp=2) as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1,pfs:1"))
+        assert ckpt.restore(new) == 1
+        ckpt.close()
+    assert new["model"].weight is weight and isinstance(weight, DTensor)
+    assert torch.equal(weight.to_local(), whole_w[RANK:RANK + 1])
+    assert torch.equal(new["rows"].to_local(), full["rows"])
+    avg = new["optim"].state[weight]["exp_avg"]
+    assert torch.equal(avg.to_local(), whole_avg[RANK:RANK + 1])
+    assert new["optim"].param_groups[0]["lr"] == 0.1          # the saved hyperparameters

@@ -362,7 +362,7 @@ def test_a_slow_but_progressing_read_is_not_cut_off(tmp_path: Path,
     pfs = _Pfs(job, 1)
     pfs.config = SimpleNamespace(job="synth", timeout=0.5)
     live = {"t": {str(i): np.zeros(4, dtype=np.float32) for i in range(6)}}
-    opened = pfs_restore._Opened(pfs, 1, live)  # type: ignore[arg-type]
+    opened = pfs_restore._open(pfs, 1, live, lambda n: None)  # type: ignore[arg-type]
     try:
         pfs_restore.with_deadline(functools.partial(opened.read, Gate()), "reading", 0.5)
     finally:

@@ -192,6 +192,12 @@ class StepReader:
             if progress is not None:
                 progress(0)
 
+    def read_tensor(self, group: RankGroup, index: int, landing: Landing) -> None:
+        """Tensor ``index`` of ``group`` into ``landing``, its checksum checked (see
+        :meth:`read_into`)."""
+        self._tensor(int(group.attrs["rank"]), group, group.entries[index],
+                     group.datasets[index], landing, True)
+
     def _tensor(self, rank: int, group: RankGroup, entry: dict[str, Any], ds: Any,
                 landing: Landing, verify: bool) -> None:
         """One dataset's bytes into ``landing``, checksum checked (with ``verify``)."""
