@@ -1,15 +1,18 @@
 """Fault matrix: every protocol phase x {kill, exit, raise} on rank 0 and on a non-zero rank.
 
-Each case runs the 4-rank toy example (2 ranks per node) under ``ftkit run`` with a fault
-injected in launch attempt 0. The job must fail, be relaunched, resume from the newest
-committed step (which the Koo–Toueg protocol determines exactly: a fault before the
-coordinator's durable decision leaves the step before, one after it leaves the faulted step)
-and end with the failure-free digest of the whole state.
+Each case is a fault injected into the 4-rank toy example (2 ranks per node) under ``ftkit
+run``. The attempt must fail, be relaunched, resume from the newest committed step (which the
+Koo–Toueg protocol determines exactly: a fault before the coordinator's durable decision
+leaves the step before, one after it leaves the faulted step) and the job must end with the
+failure-free digest of the whole state. To keep the CI time in bounds, cases run in chains
+of three per job (``run_chain``): attempt 0 meets the first fault, its relaunch (attempt 1)
+the second at a later step, attempt 2 the third, attempt 3 finishes; each attempt's resume
+step is checked, and the final digest covers all three recoveries.
 
 Two configurations:
 
-* ``local:1`` (fault at step 5): capture, write-local, vote, decide, commit;
-* ``local:1,partner:1,pfs:3`` (fault at step 6, which is due on all three levels): the same
+* ``local:1`` (faults at steps 5, 6, 7): capture, write-local, vote, decide, commit;
+* ``local:1,partner:1,pfs:3`` (faults at steps 6, 9, 12, each due on all three levels): the same
   phases plus ``encode`` (the partner copy; before the vote), ``announce`` (the coordinator,
   after its durable decision and before it is broadcast) and ``flush`` (the PFS write, which
   starts only once the step is committed on the node-local levels), and a whole node lost
@@ -19,14 +22,14 @@ Two configurations:
 
 Besides the exact resume step, every case checks that no step the coordinator reported
 committed in the failed attempt is newer than the step resumed from: a committed step is
-never lost.
+never lost. A hang in each phase is one more chain (detected within ``FTKIT_TIMEOUT``).
 
 Every rank writes its node-local shard into a reused slot file (``storage/slots.py``): from
 step 3 on, a save overwrites the slot that held the committed step two steps back. The
 capture copies CPU tensors straight into it, so ``capture`` strikes before that slot is
 overwritten, ``write-local`` after it was overwritten and before it is published as the
 step's shard, ``vote`` .. ``commit`` after; the single-level cases check that the slots were
-indeed reused (at most 3 per rank after 8 saves and a relaunch).
+indeed reused (at most 3 per rank after 8 saves and three relaunches).
 """
 from __future__ import annotations
 
@@ -46,44 +49,70 @@ FAST = {("kill", "write-local", 3), ("raise", "capture", 3), ("exit", "decide", 
         ("kill", "commit", 0), ("raise", "vote", 0)}
 
 
-def expected_resume(phase: str, rank: int) -> int:
-    """Newest committed step after a fault in ``phase`` of step 5 on ``rank``.
+def expected_resume(phase: str, rank: int, step: int = FAULT_STEP) -> int:
+    """Newest committed step after a fault in ``phase`` of ``step`` on ``rank``.
 
     The coordinator (rank 0) records the decision in ``decide`` *after* its fault hook; other
     ranks reach their ``decide`` hook only after the decision was announced.
     """
     after_decision = phase == "commit" or (phase == "decide" and rank != 0)
-    return FAULT_STEP if after_decision else FAULT_STEP - 1
+    return step if after_decision else step - 1
 
 
-def _params(cases: list[tuple[str, str, int]], fast: set[tuple[str, str, int]]
-            ) -> list[object]:
-    """pytest params of (kind, phase, rank) cases; those not in ``fast`` are marked slow."""
-    return [pytest.param(kind, phase, rank,
-                         marks=[] if (kind, phase, rank) in fast else [pytest.mark.slow],
-                         id=f"{kind}-{phase}-rank{rank}") for kind, phase, rank in cases]
+Case = tuple[str, str, int]          # (kind, phase, rank)
+CHAIN = 3                            # faults per job: one in each of attempts 0, 1, 2
+
+
+def _chains(cases: list[Case], fast: set[Case]) -> list[object]:
+    """pytest params of ``cases`` in chains of CHAIN consecutive cases, one job each; a
+    chain holding no case of ``fast`` is marked slow."""
+    out = []
+    for i in range(0, len(cases), CHAIN):
+        chain = cases[i:i + CHAIN]
+        out.append(pytest.param(chain, marks=[] if fast & set(chain) else [pytest.mark.slow],
+                                id="+".join(f"{k}-{p}-rank{r}" for k, p, r in chain)))
+    return out
+
+
+def run_chain(tmp_path: Path, chain: list[Case], first: int, every: int, steps: int,
+              resume: Callable[[str, int, int], int], **env: str) -> Result:
+    """One toy job whose attempt i meets fault ``chain[i]`` at step ``first + i * every``;
+    checks that every attempt but the last failed, the last succeeded, and attempt i + 1
+    resumed at ``resume(phase, rank, step)`` of fault i with no step committed in attempt
+    i newer (a committed step is never lost). Returns the outcome."""
+    specs = [f"{k}:rank={r}:step={first + i * every}:phase={p}:attempt={i}"
+             for i, (k, p, r) in enumerate(chain)]
+    res = run_toy(tmp_path, steps=steps, max_restarts=len(chain), FTKIT_FAULTS=";".join(specs),
+                  **env)
+    assert res.rc == 0, res.tail()
+    lines = res.attempt_lines()
+    assert len(lines) == len(chain) + 1 and "succeeded" in lines[-1], (lines, res.tail())
+    starts = res.starts
+    assert [s["attempt"] for s in starts] == list(range(len(chain) + 1)), (starts, res.tail())
+    for i, (kind, phase, rank) in enumerate(chain):
+        assert f"attempt {i}" in lines[i] and "failed" in lines[i], (specs[i], lines)
+        if kind == "kill":                   # the launcher's report, named in the line
+            assert f"(exit 137: rank {rank} killed by SIGKILL on node " in lines[i], lines
+        step = resume(phase, rank, first + i * every)
+        assert starts[i + 1]["step"] == step, (specs[i], starts, res.tail())
+        lost = [s for s in res.committed(i) if s > step]
+        assert not lost, f"{specs[i]}: committed step(s) {lost} lost; resumed at {step}\n" \
+                         f"{res.tail()}"
+    return res
 
 
 def _cases() -> list[object]:
-    return _params([(k, p, r) for k in KINDS for p in PHASES for r in (3, 0)], FAST)
+    return _chains([(k, p, r) for k in KINDS for p in PHASES for r in (3, 0)], FAST)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("kind,phase,rank", _cases())
-def test_fault_then_bitexact_resume(kind: str, phase: str, rank: int, tmp_path: Path,
+@pytest.mark.parametrize("chain", _cases())
+def test_fault_then_bitexact_resume(chain: list[Case], tmp_path: Path,
                                     reference_digest: Callable[..., str]) -> None:
-    spec = f"{kind}:rank={rank}:step={FAULT_STEP}:phase={phase}"
-    res = run_toy(tmp_path, steps=8, FTKIT_FAULTS=spec)
-    assert res.rc == 0, res.tail()
-    lines = res.attempt_lines()
-    assert len(lines) == 2 and "attempt 0" in lines[0] and "failed" in lines[0], lines
-    assert "attempt 1" in lines[1] and "succeeded" in lines[1], lines
-    if kind == "kill":                       # the launcher's report, named in the line
-        assert f"(exit 137: rank {rank} killed by SIGKILL on node " in lines[0], lines
-    _assert_resumed(res, expected_resume(phase, rank), spec)
+    res = run_chain(tmp_path, chain, FAULT_STEP, 1, 8, expected_resume)
     assert res.done["digest"] == reference_digest(4, 8), res.tail()
     events = [e["event"] for e in res.events()]
-    assert "relaunch" in events and events.count("restore") == 2, events
+    assert "relaunch" in events and events.count("restore") == len(chain) + 1, events
     slots = _slots_per_rank(res.local)
     assert len(slots) == 4 and max(slots.values()) <= 3, slots
 
@@ -115,8 +144,9 @@ MULTI_FAST = {("kill", "encode", 3), ("raise", "encode", 0), ("kill", "announce"
               ("kill", "flush", 3), ("raise", "flush", 0)}
 
 
-def multi_resume(phase: str, rank: int) -> int:
-    """Newest committed step after a fault in ``phase`` of step 6 on ``rank``.
+def multi_resume(phase: str, rank: int, step: int = MULTI_STEP) -> int:
+    """Newest committed step after a fault in ``phase`` of ``step`` (6, 9, 12: due on every
+    level) on ``rank``.
 
     ``encode`` runs on every rank before the vote: step 5. The coordinator's ``announce``
     comes after its durable decision: step 6, like the ``decide`` hook of the other ranks
@@ -124,7 +154,7 @@ def multi_resume(phase: str, rank: int) -> int:
     committed on the node-local levels: a killed or exiting rank leaves step 6.
     """
     after = phase in ("announce", "commit", "flush") or (phase == "decide" and rank != 0)
-    return MULTI_STEP if after else MULTI_STEP - 1
+    return step if after else step - 1
 
 
 # phases the single-level matrix does not reach get every kind; the others (already covered
@@ -135,53 +165,49 @@ MULTI_NEW = ("encode", "announce", "flush")
 def _multi_cases() -> list[object]:
     """Every case that ends the attempt (a raised fault in ``flush`` does not: it has a
     test of its own)."""
-    return _params([(k, p, r) for k in KINDS
+    return _chains([(k, p, r) for k in KINDS
                     for p in MULTI_PHASES if k == "kill" or p in MULTI_NEW
                     for r in ((0,) if p == "announce" else (3, 0))   # announce: coordinator
                     if (k, p) != ("raise", "flush")], MULTI_FAST)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,phase,rank", _multi_cases())
-def test_multilevel_fault_then_bitexact_resume(kind: str, phase: str, rank: int,
-                                               tmp_path: Path,
+MULTI_STEPS = MULTI_STEP + CHAIN * 3 - 2     # faults at steps 6, 9, 12; the job runs to 13
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("chain", _multi_cases())
+def test_multilevel_fault_then_bitexact_resume(chain: list[Case], tmp_path: Path,
                                                reference_digest: Callable[..., str]) -> None:
-    spec = f"{kind}:rank={rank}:step={MULTI_STEP}:phase={phase}"
-    res = run_toy(tmp_path, steps=8, FTKIT_LEVELS=MULTI_LEVELS, FTKIT_FAULTS=spec)
-    assert res.rc == 0, res.tail()
-    lines = res.attempt_lines()
-    assert len(lines) == 2 and "failed" in lines[0] and "succeeded" in lines[1], lines
-    _assert_resumed(res, multi_resume(phase, rank), spec)
-    assert res.done["digest"] == reference_digest(4, 8), res.tail()
-    if phase == "flush":      # the PFS copy of step 6 never completed; step 3's did
-        step_dir = res.pfs / "e2e"
-        assert (step_dir / "step-3" / "COMMITTED").is_file(), sorted(step_dir.iterdir())
-        flushed = [e["step"] for e in res.events() if e["event"] == "flush"
-                   and e.get("attempt") == 0]
-        assert flushed == [3], res.events()
+    res = run_chain(tmp_path, chain, MULTI_STEP, 3, MULTI_STEPS, multi_resume,
+                    FTKIT_LEVELS=MULTI_LEVELS)
+    assert res.done["digest"] == reference_digest(4, MULTI_STEPS), res.tail()
+    for i, (_, phase, _) in enumerate(chain):
+        if phase == "flush":      # that attempt's PFS copy of the faulted step never completed
+            step = MULTI_STEP + 3 * i
+            flushed = [e["step"] for e in res.events() if e["event"] == "flush"
+                       and e.get("attempt") == i]
+            assert step not in flushed, (step, res.events())
+            assert not (res.pfs / "e2e" / f"step-{step}" / "COMMITTED").exists()
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,phase,rank", _params(
-    [("raise", "flush", r) for r in (3, 0)], MULTI_FAST))
 def test_multilevel_flush_raise_degrades_without_relaunch(
-        kind: str, phase: str, rank: int, tmp_path: Path,
-        reference_digest: Callable[..., str]) -> None:
-    """A fault raised in the PFS flush of step 6 on ``rank``: the flush fails on every rank
-    (a ``flush-failed`` event), training goes on without a relaunch, steps 7 and 8 commit on
-    the node-local levels, the PFS keeps step 3 only, and the digest is the failure-free
-    one."""
-    spec = f"{kind}:rank={rank}:step={MULTI_STEP}:phase={phase}"
-    res = run_toy(tmp_path, steps=8, FTKIT_LEVELS=MULTI_LEVELS, FTKIT_FAULTS=spec)
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """A fault raised in the PFS flush of step 6 on rank 3, and of step 9 on rank 0: each
+    flush fails on every rank (a ``flush-failed`` event), training goes on without a
+    relaunch, every step commits on the node-local levels, the PFS keeps step 3 only, and
+    the digest is the failure-free one."""
+    spec = ";".join(f"raise:rank={r}:step={s}:phase=flush" for r, s in ((3, 6), (0, 9)))
+    res = run_toy(tmp_path, steps=10, FTKIT_LEVELS=MULTI_LEVELS, FTKIT_FAULTS=spec)
     assert res.rc == 0, res.tail()
     lines = res.attempt_lines()
     assert len(lines) == 1 and "succeeded" in lines[0], (lines, res.tail())
-    assert res.committed(0) == list(range(1, 9)), res.events()
+    assert res.committed(0) == list(range(1, 11)), res.events()
     failed = [(e["step"], e["level"]) for e in res.events() if e["event"] == "flush-failed"]
-    assert failed == [(MULTI_STEP, "pfs")], res.events()
+    assert failed == [(6, "pfs"), (9, "pfs")], res.events()
     job = res.pfs / "e2e"
     assert sorted(p.parent.name for p in job.glob("step-*/COMMITTED")) == ["step-3"]
-    assert res.done["digest"] == reference_digest(4, 8), res.tail()
+    assert res.done["digest"] == reference_digest(4, 10), res.tail()
 
 
 @pytest.mark.timeout(300)
@@ -202,20 +228,23 @@ def test_node_lost_during_flush_rebuilt_from_partner(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("phase", PHASES)
-def test_hang_detected_within_timeout(phase: str, tmp_path: Path,
+def test_hang_detected_within_timeout(tmp_path: Path,
                                       reference_digest: Callable[..., str]) -> None:
     """A rank that hangs in any phase is detected by its peers within FTKIT_TIMEOUT; the
-    world is aborted (never left hanging), relaunched, and the result is still bit-exact."""
+    world is aborted (never left hanging), relaunched, and the result is still bit-exact.
+    One job: attempt i hangs rank 2 in phase i at step 5 + i; each resumes where the
+    protocol says."""
     timeout = 6
-    res = run_toy(tmp_path, steps=8, FTKIT_TIMEOUT=str(timeout),
-                  FTKIT_FAULTS=f"hang:rank=2:step={FAULT_STEP}:phase={phase}")
-    assert res.rc == 0, res.tail()
-    timeouts = [e for e in res.events() if e["event"] == "timeout"]
-    assert timeouts and all(e["attempt"] == 0 for e in timeouts), res.events()
-    assert any(f"phase {p!r}" in e["reason"] for e in timeouts for p in PHASES), timeouts
-    first = [e for e in res.events() if e["event"] == "attempt-end" and e["attempt"] == 0]
-    assert first and not first[0]["ok"], res.events()
-    # detected within the protocol timeout (plus launch + training of 5 steps + teardown)
-    assert first[0]["seconds"] < timeout + 45, first
-    assert res.done["digest"] == reference_digest(4, 8)
+    res = run_chain(tmp_path, [("hang", p, 2) for p in PHASES], FAULT_STEP, 1, 10,
+                    expected_resume, FTKIT_TIMEOUT=str(timeout))
+    events = res.events()
+    for i, phase in enumerate(PHASES):
+        timeouts = [e for e in events if e["event"] == "timeout" and e["attempt"] == i]
+        assert timeouts, (phase, events)
+        assert any(f"phase {p!r}" in e["reason"] for e in timeouts for p in PHASES), timeouts
+        ends = [e for e in events if e["event"] == "attempt-end" and e["attempt"] == i]
+        assert ends and not ends[0]["ok"], (phase, events)
+        # detected within the protocol timeout (plus launch, training, teardown)
+        assert ends[0]["seconds"] < timeout + 45, (phase, ends)
+    assert not [e for e in events if e["event"] == "timeout" and e["attempt"] == len(PHASES)]
+    assert res.done["digest"] == reference_digest(4, 10)

@@ -134,7 +134,8 @@ def test_reshard_on_restore(target: Layout, reference: RunLayout, tmp_path: Path
     must not load (their shards hold dp2 tp2 pp2's slices)."""
     saved = reference((2, 2, 2))
     moved = tmp_path / "moved"
-    if target[0] * target[1] * target[2] == 8:          # the same world: local steps too
+    same_world = target[0] * target[1] * target[2] == 8     # the saved local steps apply too
+    if same_world:
         (moved / "local").mkdir(mode=0o700, parents=True)     # node-local dirs are private
         shutil.copytree(saved.local, moved / "local" / "e2e")
     shutil.copytree(saved.pfs, moved / "pfs")
@@ -144,7 +145,11 @@ def test_reshard_on_restore(target: Layout, reference: RunLayout, tmp_path: Path
     assert res.starts[0]["step"] == 15, res.tail()
     assert res.starts[0]["layout"] == dict(zip(("dp", "tp", "pp"), target)), res.starts
     assert "restored step 15 from the PFS level" in res.stderr, res.tail()
-    if (moved / "local").exists():         # the old layout's newer local step, kept aside
+    dp, tp, pp = target
+    said = (f"resharded from the saved shards: 8 ranks (dp2 tp2 pp2) -> {dp * tp * pp} ranks "
+            f"(dp{dp} tp{tp} pp{pp})")
+    assert said in res.stderr, res.tail()
+    if same_world:                         # the old layout's newer local step, kept aside
         assert "parked as parked-step-20" in res.stderr, res.tail()
     own = dict(losses(reference(target)))
     resumed = losses(res)
