@@ -1,4 +1,5 @@
-"""``ftkit export``: one committed step as a single-process ``{path: tensor}`` file.
+"""``ftkit export``: one committed step as a single-process ``{path: tensor}`` file (or a
+torch DCP directory).
 
 The work runs in a sandboxed child (:mod:`ftkit.cli.sandbox`) and streams: the plan (which
 datasets make which tensor, dtypes, shapes) is built from the verified metadata alone
@@ -7,9 +8,9 @@ file before anything is read), then each tensor's bytes are read in blocks, chec
 their checksums and written out:
 
 * ``safetensors``: written by ftkit (no package needed): the header first, then each tensor;
-* ``pt``: each tensor's bytes go to a scratch file next to the output and ``torch.save``
-  writes tensors that map those files (``torch.from_file``, shared), so anonymous memory stays
-  at about one block (TP/PP shards: one block of rows of every shard).
+* ``pt`` and ``dcp`` (:mod:`ftkit.cli.torchfmt`): each tensor's bytes go to a scratch file
+  next to the output and ``torch.save`` / ``torch.distributed.checkpoint.save`` writes tensors
+  that map those files, so anonymous memory stays at about one block.
 
 The output is written inside a scratch directory next to FILE and renamed into place by the
 parent only when complete: exactly the tensors of the tree(s), or nothing.
@@ -26,7 +27,7 @@ import struct
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any
 
 import numpy as np
 import xxhash
@@ -34,7 +35,7 @@ import xxhash
 from ftkit.capture.flatten import itemsize, numpy_dtype
 from ftkit.capture.rng import rank_local_indices
 from ftkit.capture.shards import Chunk, first_overlap
-from ftkit.cli import sandbox
+from ftkit.cli import sandbox, torchfmt
 from ftkit.cli.fmt import human
 from ftkit.cli.scan import (
     BLOCK_BYTES,
@@ -54,7 +55,7 @@ from ftkit.storage.pfs.h5group import count_tensors
 from ftkit.storage.shard import fsync_dir
 
 OK = 0
-OUT, DATA = "out", "data"               # names inside the scratch directory
+OUT = "out"                             # the output's name inside the scratch directory
 #: numpy dtype (little-endian) -> torch dtype name
 _NUMPY_TORCH = {"|b1": "bool", "|u1": "uint8", "|i1": "int8", "<i2": "int16", "<u2": "uint16",
                 "<i4": "int32", "<u4": "uint32", "<i8": "int64", "<u8": "uint64",
@@ -458,44 +459,6 @@ def write_safetensors(items: list[Item], out: Path, meta: dict[str, str],
             _copy(item, fh, rep)
 
 
-class _Reporting:
-    """A binary file for ``torch.save`` that reports progress every block written."""
-
-    def __init__(self, fh: IO[bytes], rep: Reporter) -> None:
-        self.fh, self.rep = fh, rep
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), BLOCK_BYTES):
-            self.fh.write(view[start:start + BLOCK_BYTES])
-            self.rep.progress(nbytes=min(BLOCK_BYTES, len(view) - start))
-        return len(view)
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-
-def write_pt(items: list[Item], out: Path, scratch: Path, rep: Reporter) -> None:
-    """``torch.save`` of ``{key: tensor}``; every tensor maps its own scratch file."""
-    import torch
-    tensors = {}
-    for i, item in enumerate(items):
-        dtype = getattr(torch, item.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ExportError(f"tensor {item.path!r}: torch has no dtype {item.dtype!r}")
-        if item.nbytes == 0:
-            _copy(item, None, rep)                  # still checks size and checksum
-            tensors[item.key] = torch.empty(item.shape, dtype=dtype)
-            continue
-        path = scratch / f"{DATA}-{i}"
-        with open(path, "w+b") as fh:
-            _copy(item, fh, rep)
-        flat = torch.from_file(str(path), shared=True, size=item.nbytes, dtype=torch.uint8)
-        tensors[item.key] = flat.view(dtype).reshape(item.shape)
-    with open(out, "wb") as fh:
-        torch.save(tensors, cast(IO[bytes], _Reporting(fh, rep)))
-
-
 # --------------------------------------------------------------------------- the command
 
 def select(items: list[Item], prefix: str, label: str) -> list[Item]:
@@ -530,8 +493,10 @@ def export_step(ref: StepRef, fmt: str, scratch: Path, rep: Reporter,
                     "ftkit_source": source}
             if fmt == "safetensors":
                 write_safetensors(items, scratch / OUT, meta, rep)
+            elif fmt == "dcp":
+                torchfmt.write_dcp(items, scratch / OUT, scratch, rep, _copy, meta)
             else:
-                write_pt(items, scratch / OUT, scratch, rep)
+                torchfmt.write_pt(items, scratch / OUT, scratch, rep, _copy)
     except CorruptCheckpointError as exc:
         where = ", ".join(x for x in (f"rank {exc.rank}" if exc.rank is not None else "",
                                       f"step {exc.step}" if exc.step is not None else "") if x)
@@ -542,12 +507,14 @@ def export_step(ref: StepRef, fmt: str, scratch: Path, rep: Reporter,
 
 def _export_format(args: argparse.Namespace) -> str:
     fmt: str = args.format or ("safetensors" if args.out.endswith(".safetensors") else "pt")
-    if fmt == "pt":
-        try:
-            import torch  # noqa: F401 - imported once, before the child is forked
+    if fmt in ("pt", "dcp"):
+        try:        # imported once, before the child is forked
+            import torch
+            if fmt == "dcp":
+                import torch.distributed.checkpoint  # noqa: F401
         except ImportError as exc:
-            raise UsageError(f"--format pt needs torch ({exc}); --format safetensors does "
-                             f"not") from exc
+            raise UsageError(f"--format {fmt} needs torch ({exc}); --format safetensors "
+                             f"does not") from exc
     return fmt
 
 
@@ -571,9 +538,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     ref = _pick(args)
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: directory {out.parent} does not exist")
+    fmt = _export_format(args)
+    if fmt == "dcp" and out.exists():
+        raise UsageError(f"--out {out} exists; --format dcp writes a new directory")
     if out.is_dir():
         raise UsageError(f"--out {out} is a directory")
-    fmt = _export_format(args)
     try:
         scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     except OSError as exc:

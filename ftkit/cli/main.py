@@ -140,6 +140,14 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                      help="keep the job's node-local copies at a successful end (by default "
                           "every node removes them then, when the newest committed step is on "
                           "the PFS; a later --resume restores it from there)")
+    run.add_argument("--shrink", action="store_true",
+                     help="Slurm: when a node fails and no spare is left, go on with fewer "
+                          "ranks on the healthy nodes instead of requeueing; the ranks restore "
+                          "the newest PFS step resharded to the smaller world (the PFS level "
+                          "is needed; the training must accept the world size)")
+    run.add_argument("--shrink-multiple", type=_positive_int, default=1, metavar="M",
+                     help="with --shrink: the rank count stays a multiple of M, e.g. tp*pp "
+                          "(default 1); nodes left over stay spares")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                      help="the command every rank runs")
     run.set_defaults(func=_cmd_run)
@@ -261,7 +269,7 @@ def _add_verify_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``ftkit export PATH --step S --out FILE [--format pt|safetensors]``."""
+    """``ftkit export PATH --step S --out FILE [--format pt|safetensors|dcp]``."""
     p = sub.add_parser(
         "export", help="write one step as a single-process state dict",
         description="Write the tensors of one committed step as a flat {state path: tensor} "
@@ -273,14 +281,18 @@ def _add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
                     "usage error.")
     _checkpoint_args(p, "step to export (default: the newest committed step)",
                      json_flag=False)
-    p.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="file to write (--format dcp: a new directory)")
     p.add_argument("--only", metavar="PREFIX",
                    help="export only the tensors under this state path, with PREFIX/ cut "
                         "from their keys: --only model gives the keys of model.state_dict(), "
                         "ready for load_state_dict")
-    p.add_argument("--format", choices=("pt", "safetensors"),
+    p.add_argument("--format", choices=("pt", "safetensors", "dcp"),
                    help="pt: torch.save (default; needs torch); safetensors: written by "
-                        "ftkit itself (default for a .safetensors FILE)")
+                        "ftkit itself (default for a .safetensors FILE); dcp: a "
+                        "torch.distributed.checkpoint directory, keys nested at '/' "
+                        "(model/w is DCP's model.w), loadable with or without a process "
+                        "group and into any sharding")
 
 
 def _cmd_checkpoint_tool(args: argparse.Namespace) -> int:
@@ -365,7 +377,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        stall_timeout=args.stall_timeout,
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"),
                        restart_delay=args.restart_delay,
-                       tidy=not args.keep_local)
+                       tidy=not args.keep_local, shrink=_shrink(args, cfg))
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg, extra=_split_args(args.launcher_args))
         print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "
@@ -373,6 +385,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return run_job(spec, cfg, launcher, {**os.environ, "FTKIT_JOB": cfg.job})
     except (ConfigError, LaunchError) as exc:
         return _error("run", exc)
+
+
+def _shrink(args: argparse.Namespace, cfg: Config) -> int:
+    """``RunSpec.shrink`` of ``--shrink``/``--shrink-multiple`` (0: off); ConfigError when
+    the job has no PFS level to reshard from, or the multiple comes alone."""
+    if not args.shrink:
+        if args.shrink_multiple != 1:
+            raise ConfigError("--shrink-multiple only applies with --shrink")
+        return 0
+    if cfg.levels and not cfg.interval("pfs"):
+        raise ConfigError("--shrink restarts on fewer ranks from the PFS level, but "
+                          "FTKIT_LEVELS="
+                          + ",".join(f"{name}:{every}" for name, every in cfg.levels)
+                          + " has none: add pfs:N")
+    return int(args.shrink_multiple)
 
 
 def _split_args(text: str) -> list[str]:

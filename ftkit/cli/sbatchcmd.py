@@ -50,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help="SIGUSR1 this long before the time limit (default 120; 0: none)")
     p.add_argument("--no-requeue", action="store_true", help="never requeue the job")
     p.add_argument("--max-restarts", type=non_negative, default=3, metavar="R")
+    p.add_argument("--shrink", action="store_true",
+                   help="out of spares, go on with fewer ranks on the healthy nodes instead "
+                        "of requeueing (ftkit run --shrink; needs a pfs level)")
+    p.add_argument("--shrink-multiple", type=positive, default=1, metavar="M",
+                   help="with --shrink: the rank count stays a multiple of M (e.g. tp*pp)")
     p.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="a shell line run first, verbatim (module load ..., source "
                         "venv/bin/activate); repeatable")
@@ -71,6 +76,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
                           tasks_per_node=args.tasks_per_node, time=args.time,
                           job_name=args.job_name, signal_seconds=args.signal_seconds,
                           requeue=not args.no_requeue, max_restarts=args.max_restarts,
+                          shrink=args.shrink_multiple if args.shrink else 0,
                           partition=args.partition, account=args.account,
                           gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                           exclusive=args.exclusive, local_dir=args.local_dir, env=tuple(env),

@@ -116,7 +116,7 @@ def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
         if spec is None or cfg is None:
             raise LaunchError("the Slurm launcher needs the run's spec and configuration")
         return SlurmLauncher(mpi, senv, spec.n, spec.spares,
-                             cfg.job_pfs_dir / "slurm-slots.json")
+                             cfg.job_pfs_dir / "slurm-slots.json", shrink=spec.shrink)
     return mpi
 
 
@@ -136,6 +136,8 @@ class RunSpec:
     restart_delay: float = 0.0           # seconds before restart 1, then doubled (the CLI: 2)
     tidy: bool = False                   # a successful end removes the node-local copies
     #                                      (when the newest step is on the PFS)
+    shrink: int = 0                      # --shrink: out of spares, go on with fewer ranks,
+    #                                      a multiple of this (0: requeue instead; Slurm)
 
     def start(self, attempt: int) -> str:
         """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
@@ -148,6 +150,7 @@ class RunSpec:
                    f"--ranks-per-node must be >= 1, got {self.ranks_per_node}"),
                   (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
                   (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
+                  (self.shrink >= 0, f"--shrink-multiple must be >= 1, got {self.shrink}"),
                   _seconds_ok(self.attempt_timeout, "--attempt-timeout", "no limit"),
                   _seconds_ok(self.stall_timeout, "--stall-timeout", "no watchdog"),
                   (self.kill_grace >= 0, f"kill grace must be >= 0, got {self.kill_grace}"))
@@ -324,15 +327,17 @@ def _wait(proc: subprocess.Popen[bytes], watch: AttemptWatch, grace: float,
 
 def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path,
                 base_env: Mapping[str, str], interrupt: _Interrupt | None = None,
-                fatal_dir: Path | None = None, events: Path | None = None) -> AttemptResult:
-    """Launch one attempt, wait for it under its :class:`AttemptWatch`, and judge it.
+                fatal_dir: Path | None = None, events: Path | None = None,
+                n: int | None = None) -> AttemptResult:
+    """Launch one attempt on ``n`` ranks (default ``spec.n``; fewer after ``--shrink``),
+    wait for it under its :class:`AttemptWatch`, and judge it.
 
     ``fatal_dir`` (made empty before, read and removed after) is the attempt's
     ``FTKIT_FATAL_DIR``; ``events`` is the job's event log, whose growth is the attempt's
     progress (without it, ``spec.stall_timeout`` is not watched).
     """
     interrupt = interrupt or _Interrupt()
-    argv = launcher.command(spec.n, spec.cmd)
+    argv = launcher.command(spec.n if n is None else n, spec.cmd)
     marker.prepare(done_file)
     if fatal_dir is not None and not _empty_dir(fatal_dir):
         fatal_dir = None
@@ -425,23 +430,27 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
     recover = getattr(launcher, "after_failure", None)      # the Slurm launcher has it
     if spec.spares and recover is None:
         log.warning("--spares %d has no effect outside a Slurm allocation", spec.spares)
+    if spec.shrink and recover is None:
+        log.warning("--shrink has no effect outside a Slurm allocation: mpiexec's hosts are "
+                    "not ftkit's to exclude, so every relaunch has all %d ranks", spec.n)
     stop_file = stop_file_path(cfg)
     stop_file.unlink(missing_ok=True)           # a request of an earlier run is not ours
     interrupt = _Interrupt(stop_file)
     result: AttemptResult | None = None
+    n = spec.n                                  # fewer after a --shrink
     with _forwarding(interrupt):
         for attempt in range(spec.max_restarts + 1):
             if interrupt.signum is not None:
                 break
             if attempt:
                 _event(cfg, "relaunch", attempt=attempt)
-            _event(cfg, "launch", n=spec.n, cmd=list(spec.cmd), attempt=attempt,
-                   launcher=launcher.name, argv=launcher.command(spec.n, spec.cmd),
+            _event(cfg, "launch", n=n, cmd=list(spec.cmd), attempt=attempt,
+                   launcher=launcher.name, argv=launcher.command(n, spec.cmd),
                    spares=spec.spares, ranks_per_node=spec.ranks_per_node,
                    start=spec.start(attempt), **_placement(launcher))
             done = done_file_path(cfg, attempt)
             result = run_attempt(launcher, spec, attempt, done, base_env, interrupt,
-                                 fatal_dir_path(cfg, attempt), cfg.events_path)
+                                 fatal_dir_path(cfg, attempt), cfg.events_path, n)
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    failed={str(r): how for r, how in result.failed.items()},
@@ -456,9 +465,10 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
             if result.ok or result.interrupted is not None or result.fatal is not None:
                 break
             if recover is not None and attempt < spec.max_restarts:
-                status = _recover(cfg, launcher, attempt, out)
-                if status is not None:
-                    return status
+                rec = _recover(cfg, launcher, attempt, out, n)
+                if rec.action == "requeue":
+                    return _requeue(cfg, launcher, rec.message, out)
+                n = rec.n or n
             if attempt < spec.max_restarts:
                 _pause(delay, interrupt)
     return _finish(cfg, result, interrupt)
@@ -484,16 +494,16 @@ def _placement(launcher: Launcher) -> dict[str, Any]:
     return dict(describe()) if describe is not None else {}
 
 
-def _recover(cfg: Config, launcher: Any, attempt: int, out: TextIO) -> int | None:
-    """Slurm: classify failed nodes and take spares; when none is left, requeue. Returns
-    the final status when the run ends here, None to relaunch."""
+def _recover(cfg: Config, launcher: Any, attempt: int, out: TextIO, n: int) -> Any:
+    """Slurm: classify failed nodes and take spares (or shrink: fewer ranks); the launcher's
+    ``Recovery`` says what comes next (``requeue`` when neither works). ``n``: the ranks of
+    the attempt that failed."""
     rec = launcher.after_failure()
+    shrunk = {"n_before": n, "n": rec.n} if rec.n else {}
     _event(cfg, "nodes", attempt=attempt, action=rec.action, failed=rec.failed,
-           replaced=rec.replaced, reason=rec.message, **_placement(launcher))
+           replaced=rec.replaced, reason=rec.message, **shrunk, **_placement(launcher))
     print(f"ftkit run: {rec.message}", file=out, flush=True)
-    if rec.action != "requeue":
-        return None
-    return _requeue(cfg, launcher, rec.message, out)
+    return rec
 
 
 def _requeue(cfg: Config, launcher: Any, why: str, out: TextIO) -> int:

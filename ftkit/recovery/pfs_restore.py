@@ -133,6 +133,24 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
         raise
 
 
+def _layout_change(meta: dict[str, Any], topo: Any, sharded: bool) -> dict[str, Any]:
+    """Fields of the ``reshard`` event when the step was saved on another layout (else
+    empty): ``saved`` and ``now`` as world/dp/tp/pp, and ``how`` in words."""
+    world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
+    if (world, tp, pp) == (topo.world, topo.tp, topo.pp):
+        return {}
+    saved = {"world": world, "dp": world // (tp * pp), "tp": tp, "pp": pp}
+    now = {"world": topo.world, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp}
+    by = "from the saved shards" if sharded else "from a DP replica"
+    how = f"resharded {by}: {_text(saved)} -> {_text(now)}"
+    return {"saved": saved, "now": now, "how": how}
+
+
+def _text(layout: dict[str, int]) -> str:
+    return (f"{layout['world']} ranks (dp{layout['dp']} tp{layout['tp']} "
+            f"pp{layout['pp']})")
+
+
 STALLED = "made no progress"
 
 
@@ -271,9 +289,12 @@ def restore_from_pfs(dc: DistComm, pfs: PfsLevel, state: MutableMapping[str, Any
         if not ok:
             continue
         load_agreed(dc, state, opened.reading.tree, step)
+        moved = _layout_change(opened.reader.meta, pfs.topo, isinstance(opened, Resharded))
+        if moved:
+            emit("reshard", step=step, **moved)
         if dc.rank == 0:
             log.warning("restore: node-local levels hold no usable step newer than %d; "
-                        "restored step %d from the PFS level (%s)", newer_than, step,
-                        pfs.step_dir(step))
+                        "restored step %d from the PFS level (%s)%s", newer_than, step,
+                        pfs.step_dir(step), f", {moved['how']}" if moved else "")
         return step, tries.skipped
     return 0, tries.skipped

@@ -6,7 +6,12 @@ node-local directory ``$FTKIT_LOCAL_DIR/<Slurm node>/<job>/node-<k>`` follows th
 remaining nodes of the allocation are spares. After a failed attempt the classifier
 (:mod:`ftkit.slurm.health`) names failed nodes; each failed slot takes a spare (its ranks'
 state is then rebuilt from the redundancy levels), and the next attempt is launched on the
-new node list. The slot map is kept in ``$FTKIT_PFS_DIR/<job>/slurm-slots.json`` so a
+new node list. With ``--shrink`` (:attr:`SlurmLauncher.shrink`: the rank count's multiple), a
+failure that leaves too few spares does not requeue: the next attempt runs on fewer nodes
+(the healthy slots in their order, then the spares left), as many as keep the rank count a
+multiple of ``shrink``; the ranks restore the newest PFS step resharded to the smaller world
+(node-local steps of the larger one do not fit it), and the nodes left over stay spares. The
+slot map is kept in ``$FTKIT_PFS_DIR/<job>/slurm-slots.json`` so a
 requeued job puts slots back on the nodes that still hold their data.
 
 The relaunch loop itself is :func:`ftkit.launch.relaunch.run_job`, shared with plain mpiexec:
@@ -39,10 +44,11 @@ log = logging.getLogger(__name__)
 class Recovery:
     """What to do after a failed attempt."""
 
-    action: str                      # "relaunch" or "requeue"
+    action: str                      # "relaunch", "shrink" or "requeue"
     failed: dict[str, str]           # node -> why
     replaced: dict[str, str]         # failed node -> spare that took its slot
     message: str
+    n: int | None = None             # ranks of the next attempt when they change (shrink)
 
 
 class SlurmLauncher:
@@ -51,8 +57,8 @@ class SlurmLauncher:
     name = "srun"
 
     def __init__(self, mpi: MpiexecLauncher, senv: SlurmEnv, n: int, spares: int,
-                 state_file: Path, tools: SlurmTools | None = None) -> None:
-        self.mpi, self.senv, self.n = mpi, senv, n
+                 state_file: Path, tools: SlurmTools | None = None, shrink: int = 0) -> None:
+        self.mpi, self.senv, self.n, self.shrink = mpi, senv, n, shrink
         self.tools = tools or SlurmTools(senv.job_id)
         self.state_file = state_file
         nodes = list(senv.nodes)
@@ -94,10 +100,12 @@ class SlurmLauncher:
         self.failed.update(failed)
         spares = self.spares()
         if len(spares) < len(failed):
+            short = (f"out of spare nodes: {compress_hostlist(failed)} failed and "
+                     f"{len(spares)} healthy spare(s) left in "
+                     f"{compress_hostlist(self.senv.nodes)}")
+            shrunk = self._shrink(failed, spares, short) if self.shrink else None
             self._save()
-            return Recovery("requeue", failed, {}, (
-                f"out of spare nodes: {compress_hostlist(failed)} failed and "
-                f"{len(spares)} healthy spare(s) left in {compress_hostlist(self.senv.nodes)}"))
+            return shrunk or Recovery("requeue", failed, {}, short)
         replaced = {node: spares.pop(0) for node in self.slots if node in failed}
         self.slots = [replaced.get(node, node) for node in self.slots]
         self._save()
@@ -110,6 +118,23 @@ class SlurmLauncher:
         return self.tools.requeue()
 
     # --------------------------------------------------------------- internals
+    def _shrink(self, failed: dict[str, str], spares: list[str], short: str
+                ) -> Recovery | None:
+        """Fewer slots: the healthy ones, then ``spares``, as many as keep the rank count a
+        multiple of :attr:`shrink`; None when not even one slot does."""
+        pool = [node for node in self.slots if node not in self.failed] + spares
+        count = max((k for k in range(1, len(pool) + 1)
+                     if (k * self.per_node) % self.shrink == 0), default=0)
+        if not count:
+            return None
+        before, self.slots = self.n, pool[:count]
+        self.n = count * self.per_node
+        left = pool[count:]
+        return Recovery("shrink", failed, {}, (
+            f"{short}; --shrink: {before} -> {self.n} ranks on {compress_hostlist(self.slots)}"
+            + (f" ({compress_hostlist(left)} kept as spare)" if left else "")
+            + ", resuming from the newest PFS step resharded"), n=self.n)
+
     def _initial_slots(self, nodes: list[str]) -> list[str]:
         """Slots from a previous run of this job (requeue) where those nodes are still in
         the allocation, the other slots from the remaining nodes in allocation order."""

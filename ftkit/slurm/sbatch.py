@@ -5,7 +5,8 @@ not end the allocation: ``ftkit run`` replaces it with a spare), ``--signal=B:US
 batch shell — ``ftkit run`` after ``exec`` — gets SIGUSR1 T seconds before the time limit and
 has the job take a final checkpoint on every level, PFS included) and ``--requeue`` (when no
 spare is left, or after that final checkpoint, ``ftkit run`` requeues the job, which then
-resumes from the newest committed step).
+resumes from the newest committed step) — or, with ``shrink``, ``ftkit run --shrink`` goes
+on with fewer ranks on the healthy nodes instead of requeueing.
 
 ``slurm/*.sbatch`` are rendered from :data:`TEMPLATES` (``python -m ftkit.slurm.sbatch
 slurm/`` rewrites them; a unit test keeps them in sync).
@@ -37,6 +38,7 @@ class SbatchSpec:
     signal_seconds: int = 120           # 0: no final checkpoint before the time limit
     requeue: bool = True
     max_restarts: int = 3
+    shrink: int = 0                     # ftkit run --shrink with this rank multiple (0: off)
     partition: str | None = None
     account: str | None = None
     gpus_per_node: int | None = None     # --gpus-per-node; GPU ranks: one task per GPU
@@ -59,7 +61,8 @@ class SbatchSpec:
                              f"gpus per node must be >= 1, got {self.gpus_per_node}"),
                             (self.cpus_per_task is None or self.cpus_per_task >= 1,
                              f"cpus per task must be >= 1, got {self.cpus_per_task}"),
-                            (self.max_restarts >= 0, "max restarts must be >= 0")):
+                            (self.max_restarts >= 0, "max restarts must be >= 0"),
+                            (self.shrink >= 0, "the shrink multiple must be >= 1 (0: off)")):
             if not ok:
                 raise LaunchError(f"sbatch: {message}")
         for key in ("job_name", "time", "output", "partition", "account"):
@@ -92,8 +95,11 @@ def render_sbatch(spec: SbatchSpec) -> str:
             head.append(f"--{key}={value}")
     if spec.exclusive:
         head.append("--exclusive")
+    shrink = (["--shrink"] + (["--shrink-multiple", str(spec.shrink)] if spec.shrink > 1
+                              else [])) if spec.shrink else []
     run = [*spec.ftkit, "run", "--launcher", "auto", "-n", str(ranks), "--spares",
-           str(spec.spares), "--max-restarts", str(spec.max_restarts), "--", *spec.command]
+           str(spec.spares), "--max-restarts", str(spec.max_restarts), *shrink, "--",
+           *spec.command]
     lines = ["#!/bin/bash",
              (f"# ftkit job: {ranks} ranks on {spec.nodes} nodes x {spec.tasks_per_node}, "
               f"{spec.spares} spare node(s)."),

@@ -9,6 +9,7 @@ from pathlib import Path
 import h5py
 import pytest
 
+from ftkit.events import read_events
 from tests.e2e.jobs import run_toy
 
 LEVELS = "local:1,pfs:3"
@@ -93,6 +94,11 @@ def test_restore_on_another_dp_size(n: int, rpn: int, tmp_path: Path) -> None:
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
     assert _loss_at(res, 7) == pytest.approx(_loss_at(original, 7), rel=1e-6)
+    said = f"resharded from a DP replica: 4 ranks (dp4 tp1 pp1) -> {n} ranks (dp{n} tp1 pp1)"
+    assert said in res.stderr, res.tail()
+    [event] = [e for e in read_events(moved / "pfs" / "e2e" / "events.jsonl")
+               if e["event"] == "reshard"]
+    assert (event["step"], event["saved"]["world"], event["now"]["dp"]) == (6, 4, n), event
 
 
 @pytest.mark.timeout(600)

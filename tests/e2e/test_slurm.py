@@ -7,6 +7,8 @@ rendered template.
   with the failure-free digest; events.jsonl names the failed node and the spare.
 * Two nodes die with one spare: ``scontrol requeue``; the requeued job resumes from the
   newest committed step and ends with the failure-free digest.
+* No spare left and ``--shrink``: a node dies, the job goes on with 6 ranks on the 3 healthy
+  nodes from the newest PFS step, resharded (events say so), instead of requeueing.
 * The time-limit signal: a final checkpoint on every level (PFS included); a later job
   restores it from the PFS alone.
 
@@ -219,6 +221,38 @@ def test_two_failures_one_spare_requeue(tmp_path: Path, healthy: None,
     # job resumes there, one checkpoint past the last logged commit (every step here).
     assert starts[-1]["step"] in (committed, committed + 1), (committed, starts)
     assert job.records("done")[-1]["digest"] == reference(60), job.text()
+
+
+@pytest.mark.timeout(900)
+def test_node_lost_without_spare_shrinks(tmp_path: Path, healthy: None) -> None:
+    """``--shrink``, no spare: after the PFS holds step 10 a node of the 4 dies; ftkit run
+    does not requeue but relaunches 6 ranks on the 3 healthy nodes, which restore the newest
+    PFS step resharded from 8 ranks (the toy is data-parallel: each new rank loads a DP
+    replica; the loader's global position is kept) and train to the end."""
+    job = Job(tmp_path, "ftkit-shrink", steps=40, spares=0, shrink=1)
+    job.submit("--time=10")
+    job.until("step 10 on the PFS", lambda: any(
+        e["event"] == "flush" and e["step"] >= 10 for e in job.events()))
+    slots = job.slots()
+    victim = slots[2]
+    _kill_node(victim, tmp_path / "local")
+    rc = job.wait()
+    assert rc == 0, job.text()
+    events = job.events()
+    assert not [e for e in events if e["event"] == "requeue"], job.text()
+    [nodes] = [e for e in events if e["event"] == "nodes"]
+    assert (nodes["action"], list(nodes["failed"])) == ("shrink", [victim]), nodes
+    assert (nodes["n_before"], nodes["n"]) == (8, 6), nodes
+    launches = [e for e in events if e["event"] == "launch"]
+    assert [e["n"] for e in launches] == [8, 6], launches
+    assert launches[-1]["slots"] == [n for n in slots if n != victim], launches
+    [reshard] = [e for e in events if e["event"] == "reshard"]
+    assert (reshard["saved"]["world"], reshard["now"]["world"]) == (8, 6), reshard
+    starts = job.records("start")         # a PFS step (every 5th), not older than step 10
+    assert reshard["step"] == starts[-1]["step"], (reshard, starts)
+    assert reshard["step"] >= 10 and reshard["step"] % 5 == 0, reshard
+    assert "--shrink: 8 -> 6 ranks" in job.text()
+    assert job.records("done")[-1]["step"] == 40, job.text()
 
 
 @pytest.mark.timeout(900)

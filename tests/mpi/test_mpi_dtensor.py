@@ -147,3 +147,35 @@ def test_dtensor_state_restored_on_another_layout(ftkit_env: Any, torch_group: N
     avg = new["optim"].state[weight]["exp_avg"]
     assert torch.equal(avg.to_local(), whole_avg[RANK:RANK + 1])
     assert new["optim"].param_groups[0]["lr"] == 0.1          # the saved hyperparameters
+
+
+def test_dcp_export_loads_into_another_sharding(ftkit_env: Any, torch_group: None) -> None:
+    """The step's DCP export (written by rank 0, no process group) read by
+    ``torch.distributed.checkpoint.load`` on the 4 ranks into other placements: the
+    weight's rows over all 4 ranks, ``rows`` replicated, Adam's moment by its parameter's
+    nested name (``optim.state.model.weight.exp_avg``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    full = _full()
+    state = _state(full)
+    whole_avg = state["optim"].state[state["model"].weight]["exp_avg"].full_tensor()
+    whole_w = state["model"].weight.full_tensor()
+    with topology() as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1,pfs:1"))
+        ckpt.save(1, state)
+        ckpt.close()
+    step_dir = ftkit_env.pfs_dir / ftkit_env.job / "step-1"
+    out = ftkit_env.root / "dcp"
+    rc = from_rank0(main(["export", str(step_dir), "--out", str(out), "--format", "dcp"])
+                    if RANK == 0 else None)
+    assert rc == 0
+    new = _resharded_state(full)
+    avg = distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (4,)), [Shard(0)])
+    target = {"model": {"weight": new["model"].weight, "bias": new["model"].bias},
+              "rows": new["rows"], "optim": {"state": {"model": {"weight": {"exp_avg": avg}}}}}
+    with torch.no_grad():
+        dcp.load(target, checkpoint_id=str(out))
+    assert torch.equal(new["model"].weight.to_local(), whole_w[RANK:RANK + 1])
+    assert torch.equal(new["model"].bias.full_tensor(), state["model"].bias.full_tensor())
+    assert torch.equal(new["rows"].to_local(), full["rows"])
+    assert torch.equal(avg.to_local(), whole_avg[RANK:RANK + 1])

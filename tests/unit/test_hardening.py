@@ -209,6 +209,26 @@ def test_cli_passes_the_stall_timeout(job: Path, monkeypatch: pytest.MonkeyPatch
     assert main(["run", "-n", "2", "--stall-timeout", "-1", "--", "x"]) == 2
 
 
+def test_cli_shrink_options(job: Path, monkeypatch: pytest.MonkeyPatch,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--shrink becomes RunSpec.shrink (the rank multiple, 0: off); without a PFS level to
+    reshard from, or a multiple without --shrink, the run is refused before it starts."""
+    seen: list[RunSpec] = []
+    monkeypatch.setattr(relaunch, "resolve_launcher", lambda *a, **k: None)
+    monkeypatch.setattr(relaunch, "run_job", lambda spec, *a, **k: seen.append(spec) or 0)
+    assert main(["run", "-n", "8", "--", "x"]) == 0
+    assert main(["run", "-n", "8", "--shrink", "--", "x"]) == 0
+    assert main(["run", "-n", "8", "--shrink", "--shrink-multiple", "4", "--", "x"]) == 0
+    assert [s.shrink for s in seen] == [0, 1, 4]
+    assert main(["run", "-n", "8", "--shrink-multiple", "4", "--", "x"]) == 2
+    assert "--shrink-multiple only applies with --shrink" in capsys.readouterr().err
+    monkeypatch.setenv("FTKIT_LEVELS", "local:1,partner:1")
+    assert main(["run", "-n", "8", "--shrink", "--", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--shrink" in err and "FTKIT_LEVELS=local:1,partner:1 has none" in err, err
+    assert len(seen) == 3
+
+
 def test_watch_judges_progress_by_the_event_log(tmp_path: Path) -> None:
     """Fake clock: the attempt's start counts as progress; every change of the log too."""
     events = tmp_path / "events.jsonl"

@@ -144,3 +144,17 @@ def test_another_global_shape_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"model/up: the checkpoint has float32 \[32, 8\], "
                                               r"the state float32 \[64, 8\]"):
         _restore(step_dir, state, Topo(0, Coords()))
+
+
+def test_layout_change_names_both_layouts() -> None:
+    """The ``reshard`` event's fields: empty on the saved layout, else both layouts and how."""
+    from ftkit.recovery.pfs_restore import _layout_change
+    topo = dataclasses.make_dataclass("Topo", ["world", "dp", "tp", "pp"])(4, 1, 2, 2)
+    assert _layout_change({"world": 4, "tp": 2, "pp": 2}, topo, sharded=True) == {}
+    moved = _layout_change({"world": 8, "tp": 2, "pp": 2}, topo, sharded=True)
+    assert moved["saved"] == {"world": 8, "dp": 2, "tp": 2, "pp": 2}
+    assert moved["now"] == {"world": 4, "dp": 1, "tp": 2, "pp": 2}
+    assert moved["how"] == ("resharded from the saved shards: 8 ranks (dp2 tp2 pp2) -> "
+                            "4 ranks (dp1 tp2 pp2)")
+    replica = _layout_change({"world": 8, "tp": 1, "pp": 1}, topo, sharded=False)
+    assert replica["how"].startswith("resharded from a DP replica: 8 ranks (dp8 tp1 pp1)")

@@ -220,9 +220,9 @@ def senv(nodes: str = "n[1-5]") -> SlurmEnv:
 
 
 def launcher(tmp_path: Path, tools: FakeTools, n: int = 8, spares: int = 1,
-             nodes: str = "n[1-5]") -> SlurmLauncher:
+             nodes: str = "n[1-5]", shrink: int = 0) -> SlurmLauncher:
     return SlurmLauncher(MPI, senv(nodes), n, spares, tmp_path / "job" / "slurm-slots.json",
-                         tools=tools)  # type: ignore[arg-type]
+                         tools=tools, shrink=shrink)  # type: ignore[arg-type]
 
 
 def test_launcher_command_and_env(tmp_path: Path) -> None:
@@ -259,6 +259,39 @@ def test_launcher_swaps_spare_then_requeues(tmp_path: Path) -> None:
     assert rec.action == "requeue" and rec.failed == {"n1": "health probe failed: rc 1"}
     assert "n1" in rec.message and "spare" in rec.message
     assert sl.requeue() == (True, "")
+
+
+def test_launcher_shrinks_when_out_of_spares(tmp_path: Path) -> None:
+    """--shrink-multiple 4 with 2 ranks per node: n3 takes the spare n5; then n1 fails with
+    no spare left: 3 healthy nodes hold 6 ranks, not a multiple of 4, so the job goes on with
+    4 ranks on the first 2 healthy slots and n4 becomes the spare, which the next failure
+    takes like any spare."""
+    tools = FakeTools({"n3": "Slurm state DOWN"}, {"n1": "Slurm state DOWN"},
+                      {"n2": "removed from the job's node list by Slurm"})
+    sl = launcher(tmp_path, tools, shrink=4)
+    assert sl.after_failure().replaced == {"n3": "n5"}
+    rec = sl.after_failure()
+    assert (rec.action, rec.failed, rec.n) == ("shrink", {"n1": "Slurm state DOWN"}, 4)
+    assert "out of spare nodes" in rec.message and "8 -> 4 ranks" in rec.message, rec.message
+    assert "n4 kept as spare" in rec.message, rec.message
+    assert sl.slots == ["n2", "n5"] and sl.spares() == ["n4"]
+    argv = " ".join(sl.command(4, ["./a.out"]))
+    assert " --host n2:2,n5:2 " in argv and " -n 4 " in argv, argv
+    assert json.loads(sl.state_file.read_text())["slots"] == ["n2", "n5"]
+    rec = sl.after_failure()
+    assert (rec.action, rec.replaced, rec.n) == ("relaunch", {"n2": "n4"}, None)
+    assert sl.slots == ["n4", "n5"]
+
+
+@pytest.mark.parametrize("multiple", [0, 16])
+def test_launcher_requeues_when_it_cannot_shrink(tmp_path: Path, multiple: int) -> None:
+    """Without --shrink (0), or when no count of the healthy nodes holds a multiple of 16
+    ranks, a failure with no spare left asks for a requeue and keeps the slots."""
+    tools = FakeTools({"n2": "Slurm state DOWN"})
+    sl = launcher(tmp_path, tools, spares=0, nodes="n[1-4]", shrink=multiple)
+    rec = sl.after_failure()
+    assert (rec.action, rec.n) == ("requeue", None) and "out of spare nodes" in rec.message
+    assert sl.slots == ["n1", "n2", "n3", "n4"]
 
 
 @pytest.mark.parametrize("n, spares, match", [(7, 1, "divide evenly"), (8, 5, "--spares 5"),
@@ -427,6 +460,24 @@ def test_relaunch_after_node_replacement(cfg: Config, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_shrink_relaunches_on_fewer_ranks(cfg: Config, tmp_path: Path) -> None:
+    """A ``shrink`` recovery: the next attempt is launched on its ``n`` ranks; the launch
+    and nodes events say so."""
+    rec = Recovery("shrink", {"n2": "Slurm state DOWN"}, {}, "out of spare nodes; --shrink",
+                   n=1)
+    fake = FakeSlurm(tmp_path, [{"rc": 1}, OK], [rec])
+    asked: list[int] = []
+    command = fake.command
+    fake.command = lambda n, cmd: asked.append(n) or command(n, cmd)  # type: ignore[method-assign]
+    rc, out, events = go(cfg, fake)
+    assert rc == 0 and "--shrink" in out
+    assert [e["n"] for e in events if e["event"] == "launch"] == [2, 1]
+    assert asked[-1] == 1 and 2 in asked
+    [nodes] = [e for e in events if e["event"] == "nodes"]
+    assert (nodes["action"], nodes["n_before"], nodes["n"]) == ("shrink", 2, 1)
+
+
+@pytest.mark.timeout(60)
 def test_real_slurm_launcher_in_the_loop(cfg: Config, tmp_path: Path) -> None:
     """SlurmLauncher + run_job: n2 fails, the spare n3 takes its slot, attempt 1 succeeds."""
     wrapper = tmp_path / "mpiexec"
@@ -532,3 +583,9 @@ def test_ftkit_sbatch_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert check.returncode == 0, check.stderr
     assert main(["sbatch", "--nodes", "2", "--job-name", "a b", "--", "x"]) == 2
     assert "job_name 'a b'" in capsys.readouterr().err
+    for shrink, said in ((["--shrink"], ["--shrink"]),
+                         (["--shrink", "--shrink-multiple", "4"],
+                          ["--shrink", "--shrink-multiple", "4"]), ([], [])):
+        assert main(["sbatch", "--nodes", "2", *shrink, "--", "x"]) == 0
+        run = shlex.split(capsys.readouterr().out.splitlines()[-1])
+        assert run[run.index("--max-restarts") + 2:] == [*said, "--", "x"], run
