@@ -74,7 +74,8 @@ def _loss_at(res: object, step: int) -> float:
 @pytest.mark.parametrize("n,rpn", [(2, 1), (8, 2)])
 def test_restore_on_another_dp_size(n: int, rpn: int, tmp_path: Path) -> None:
     """A 4-rank (dp=4) checkpoint restored from HDF5 on 2 and on 8 ranks: each new rank
-    loads the DP replica dp_idx % 4, the loader (global position) re-splits the same global
+    loads the replicated model and optimizer state by name (resharded: the toy's optimizer
+    state is keyed by its parameters) and rank dp_idx % 4's RNG state, the loader (global position) re-splits the same global
     batch, and the first step after restore has the loss the 4-rank job has at that step.
     Dropout is off: with it each rank's RNG stream (and so the mask) depends on the layout.
     Tolerance 1e-6 relative: only the order of the float sums differs."""
@@ -94,7 +95,8 @@ def test_restore_on_another_dp_size(n: int, rpn: int, tmp_path: Path) -> None:
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6
     assert _loss_at(res, 7) == pytest.approx(_loss_at(original, 7), rel=1e-6)
-    said = f"resharded from a DP replica: 4 ranks (dp4 tp1 pp1) -> {n} ranks (dp{n} tp1 pp1)"
+    said = (f"resharded from the saved shards: 4 ranks (dp4 tp1 pp1) -> {n} ranks "
+            f"(dp{n} tp1 pp1)")
     assert said in res.stderr, res.tail()
     [event] = [e for e in read_events(moved / "pfs" / "e2e" / "events.jsonl")
                if e["event"] == "reshard"]
