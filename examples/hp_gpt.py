@@ -358,6 +358,9 @@ def parse_args(world: int) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: cuda (nccl) when available, else cpu (gloo)")
+    ap.add_argument("--init-from", metavar="DCP_DIR",
+                    help="a torch.distributed.checkpoint directory whose model.* tensors "
+                         "seed the model when the job has no checkpoint yet (any layout)")
     args = ap.parse_args()
     if min(args.tp, args.pp) < 1 or world % (args.tp * args.pp):
         ap.error(f"the world size {world} is not divisible by tp*pp = {args.tp}*{args.pp}")
@@ -428,7 +431,7 @@ def main() -> None:
     state = {"model": model, "optim": opt, "rng": ftkit.RNGState(), "data": loader}
 
     ckpt = ftkit.Checkpointer(topo)
-    start = ckpt.restore(state)
+    start = ckpt.restore(state, init_from=args.init_from)
     assert loader.step == start, f"loader at step {loader.step} after restoring step {start}"
     emit(comm, event="start", step=start, attempt=ckpt.config.attempt,
          layout={"dp": par.dp, "tp": par.tp, "pp": par.pp})

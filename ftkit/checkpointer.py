@@ -38,6 +38,7 @@ from ftkit.errors import (
     ConfigError,
     FtkitError,
     ProtocolTimeout,
+    UnrecoverableError,
 )
 from ftkit.events import append_event, mark_progress
 from ftkit.flushes import Flushes
@@ -129,9 +130,13 @@ class Checkpointer:
         self._state_bytes = 0                    # tensor bytes of the newest snapshot
 
     # ------------------------------------------------------------- public API
-    def restore(self, state: State) -> int:
+    def restore(self, state: State, init_from: str | os.PathLike[str] | None = None) -> int:
         """Load the newest step committed and intact everywhere into ``state``; return it
         (0 when none was ever committed). All ranks call.
+
+        ``init_from``: a torch DCP checkpoint directory that seeds ``state`` when the job
+        has no committed step yet (:mod:`ftkit.interop.seed`; resharded to this layout);
+        ignored once the job has committed one. Returns 0 then too.
 
         Never deletes a committed step that no newer committed step supersedes: when
         committed steps exist but none can be used (lost beyond what the levels tolerate,
@@ -143,10 +148,33 @@ class Checkpointer:
         self.wait()
         try:
             self._admit(state)
-            return self._restore(state)
+            step = self._restore(state)
+            if not step and init_from is not None:
+                self._seed(state, Path(init_from))
+            return step
         except FtkitError as exc:
             record_fatal(exc, self.topo.rank)
             raise
+
+    def _seed(self, state: State, path: Path) -> None:
+        """Seed ``state`` from DCP ``path`` on every rank; the same UnrecoverableError
+        everywhere when any rank cannot. All ranks call."""
+        from ftkit.interop.seed import seed
+        t0 = time.monotonic()
+        done: dict[str, Any] = {}
+        failure = None
+        try:
+            done = seed(path, state)
+        except FtkitError as exc:
+            failure = str(exc)
+        failures = self.dc.agree(failure, "seed", 0)
+        if failures:
+            rank, why = min(failures.items())
+            raise UnrecoverableError(f"rank {rank}: {why}" if len(failures) == 1 else
+                                     f"rank {rank} (and {len(failures) - 1} more): {why}")
+        self._emit("seed", dir=str(path), tensors=done["tensors"], missing=done["missing"],
+                   unused=done["unused"][:50], seconds=round(time.monotonic() - t0, 6))
+        log.info("seeded %d tensors from DCP checkpoint %s", done["tensors"], path)
 
     def _admit(self, state: State) -> None:
         """Once, before the first step: loaders get ftkit's generators, every leaf is

@@ -290,6 +290,39 @@ def header_table(header: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
+def whole(shape: Sequence[int]) -> ShardSpec:
+    """The spec of an undeclared tensor: one chunk, all of it (a scalar too)."""
+    shape = tuple(int(n) for n in shape)
+    return ShardSpec(shape, (Chunk((0,) * len(shape), shape),))
+
+
+def _cut_text(spec: ShardSpec) -> str:
+    if spec.chunks == whole(spec.global_shape).chunks:
+        return f"whole {list(spec.global_shape)}"
+    boxes = ", ".join(f"{list(c.offsets)}+{list(c.sizes)}" for c in spec.chunks[:3])
+    more = f" and {len(spec.chunks) - 3} more" if len(spec.chunks) > 3 else ""
+    return f"the box(es) {boxes}{more} of {list(spec.global_shape)}"
+
+
+def cut_difference(saved: dict[int, ShardSpec], state: Any, leaves: list[TensorLeaf]
+                   ) -> str | None:
+    """Where a checkpoint's cut of its tensors differs from the live ``state``'s (flattened
+    as ``leaves``): ``saved`` maps a tensor index to its declared spec (absent: whole). The
+    first tensor whose piece is another part of its global tensor, in words (the local
+    shapes may still agree: a 2 x 2 mesh with its placements swapped), else None. Local."""
+    live = {int(i): ShardSpec.from_json(s)
+            for i, s in describe(state, leaves).get("shards", {}).items()}
+    for i, leaf in enumerate(leaves):
+        if leaf.kind != "torch":
+            continue
+        mine = live.get(i) or whole(leaf.shape)
+        theirs = saved.get(i) or whole(leaf.shape)
+        if mine != theirs:
+            return (f"{leaf.path} holds {_cut_text(theirs)} in the checkpoint but "
+                    f"{_cut_text(mine)} in the state")
+    return None
+
+
 def describe(state: Any, leaves: list[TensorLeaf]) -> dict[str, Any]:
     """The ``shards`` (``{index: spec json}``) and ``keys`` (``{index: global key}``) of the
     flattened ``leaves`` of ``state`` that have them, as shard header entries (only the

@@ -17,13 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture.shards import Chunk, ShardSpec, first_overlap
+from ftkit.capture.shards import Chunk, ShardSpec, first_overlap, whole
 
-
-def whole(shape: Sequence[int]) -> ShardSpec:
-    """The spec of an undeclared tensor: one chunk, all of it (a scalar too)."""
-    shape = tuple(int(n) for n in shape)
-    return ShardSpec(shape, (Chunk((0,) * len(shape), shape),))
+__all__ = ["Copy", "Source", "check_boxes", "copy", "direct", "intersect", "numel", "plan",
+           "whole", "window"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +109,7 @@ def _block(flat: np.ndarray, start: int, box: Chunk) -> np.ndarray:
     return flat[start:start + box.numel].reshape(box.sizes)
 
 
-def _window(inter: Chunk, box: Chunk) -> tuple[Any, ...]:
+def window(inter: Chunk, box: Chunk) -> tuple[Any, ...]:
     """Where ``inter`` lies in a block holding ``box`` (``...`` last: a 0-d block stays an
     array view)."""
     return (*(slice(o - b, o - b + n) for o, b, n in zip(inter.offsets, box.offsets,
@@ -124,7 +121,7 @@ def copy(c: Copy, source: np.ndarray, dest: np.ndarray, itemsize: int) -> None:
     target tensor's bytes); both flat uint8."""
     src = _block(_elements(source, itemsize), c.source.start, c.source.box)
     dst = _block(_elements(dest, itemsize), c.start, c.box)
-    np.copyto(dst[_window(c.inter, c.box)], src[_window(c.inter, c.source.box)])
+    np.copyto(dst[window(c.inter, c.box)], src[window(c.inter, c.source.box)])
 
 
 def numel(shape: Sequence[int]) -> int:

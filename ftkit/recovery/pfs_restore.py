@@ -18,10 +18,12 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ftkit.capture import loaders
 from ftkit.capture.flatten import DecodeError, TensorLeaf, flatten
-from ftkit.capture.inplace import plan_reading
+from ftkit.capture.inplace import live_leaves, plan_reading
 from ftkit.capture.landing import Gate, GatedLanding
 from ftkit.capture.rng import rank_local_indices
+from ftkit.capture.shards import cut_difference
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
 from ftkit.errors import CheckpointError, CorruptCheckpointError
 from ftkit.recovery import reshard
@@ -122,7 +124,8 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
     try:
         meta = reader.meta
         if (int(meta["world"]), int(meta["tp"]), int(meta["pp"])) == (topo.world, topo.tp,
-                                                                       topo.pp):
+                                                                       topo.pp) \
+                and not _other_cut(reader.group(topo.rank), state, step):
             return _Opened(reader, topo.rank, state, step)
         groups = {r: reader.group(r) for r in range(int(meta["world"]))}
         if reshard.declared(groups):
@@ -149,6 +152,19 @@ def _layout_change(meta: dict[str, Any], topo: Any, sharded: bool) -> dict[str, 
 def _text(layout: dict[str, int]) -> str:
     return (f"{layout['world']} ranks (dp{layout['dp']} tp{layout['tp']} "
             f"pp{layout['pp']})")
+
+
+def _other_cut(group: Any, state: Any, step: int) -> bool:
+    """Whether this rank's saved group holds other pieces of its global tensors than the
+    live state (changed DTensor placements or declarations on the same layout): then the
+    step is resharded like one of another layout. Local (every rank reshards its own
+    pieces; the others may still read theirs directly)."""
+    saved = {int(e["index"]): reshard.spec_of(e) for e in group.entries
+             if e["shard"] is not None}
+    why = cut_difference(saved, state, live_leaves(state, loaders.extra_layout))
+    if why is not None:
+        log.info("restore: PFS step %d: %s: resharded", step, why)
+    return why is not None
 
 
 STALLED = "made no progress"

@@ -83,7 +83,9 @@ class Global:
     boxes: dict[Chunk, list[Source]] = dataclasses.field(default_factory=dict)
 
 
-def _spec(entry: dict[str, Any]) -> ShardSpec:
+def spec_of(entry: dict[str, Any]) -> ShardSpec:
+    """The cut of a saved tensor (an entry of a verified rank group); whole when it has
+    none."""
     shard = entry["shard"]
     if shard is None:
         return boxes.whole(entry["shape"])
@@ -117,7 +119,7 @@ class Catalog:
     def _add(self, rank: int, e: dict[str, Any], sums: dict[tuple[str, str], tuple[int, str]]
              ) -> None:
         name = e["key"] or e["path"]
-        spec = _spec(e)
+        spec = spec_of(e)
         g = self.tensors.setdefault(name, Global(e["kind"], e["dtype"], spec.global_shape))
         if (g.kind, g.dtype, g.shape) != (e["kind"], e["dtype"], spec.global_shape):
             raise self.error(f"tensor {name!r} is {g.kind} {g.dtype} {list(g.shape)} on one "

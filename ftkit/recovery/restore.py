@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from ftkit.capture import loaders
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
 from ftkit.capture.devicecopy import DeviceLanding
 from ftkit.capture.flatten import DecodeError
-from ftkit.capture.inplace import Reading, plan_reading
+from ftkit.capture.inplace import Reading, live_leaves, plan_reading
+from ftkit.capture.shards import ShardSpec, cut_difference, header_table
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import (
     CheckpointError,
@@ -318,12 +320,21 @@ def _agreed_loadable(dc: DistComm, levels: Levels, faults: Faults, found: Discov
 def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> Reading:
     """The destinations of ``shard``'s tensors (:func:`ftkit.capture.inplace.plan_reading`)
     and the tree over them, nothing read yet. CorruptCheckpointError naming the file when
-    the tree does not decode. Local."""
+    the tree does not decode; ValueError when the shard holds other pieces of its global
+    tensors than the live state (:func:`ftkit.capture.shards.cut_difference`: loading them
+    in place would put them in the wrong place). Local."""
     try:
-        return plan_reading(leaves_of(shard.header), shard.header["tree"], state)
+        reading = plan_reading(leaves_of(shard.header), shard.header["tree"], state)
     except DecodeError as exc:
         raise CorruptCheckpointError(str(shard.path), str(exc), rank=rank, step=step) \
             from None
+    saved = {int(i): ShardSpec.from_json(s)
+             for i, s in header_table(shard.header, "shards").items()}
+    why = cut_difference(saved, state, live_leaves(state, loaders.extra_layout))
+    if why is not None:
+        raise ValueError(f"step {step} was saved with another cut: {why} (DTensor placements "
+                         f"or declared shards changed; a PFS level reshards)")
+    return reading
 
 
 def _read_checked(shard: Shard, reading: Reading, rank: int, step: int) -> None:

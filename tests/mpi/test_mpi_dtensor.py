@@ -12,8 +12,9 @@ import pytest
 
 import ftkit
 from ftkit.cli.main import main
+from ftkit.events import read_events
 
-from .mpi_helpers import RANK, WORLD, from_rank0, topology
+from .mpi_helpers import RANK, WORLD, events, from_rank0, topology
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor")
@@ -179,3 +180,86 @@ def test_dcp_export_loads_into_another_sharding(ftkit_env: Any, torch_group: Non
     assert torch.equal(new["model"].bias.full_tensor(), state["model"].bias.full_tensor())
     assert torch.equal(new["rows"].to_local(), full["rows"])
     assert torch.equal(avg.to_local(), whole_avg[RANK:RANK + 1])
+
+
+def test_seed_from_a_dcp_checkpoint_written_by_torch(ftkit_env: Any, torch_group: None
+                                                     ) -> None:
+    """torch's ``dcp.save`` on the 4 ranks (the weight's rows over 4 ranks, a replicated
+    bias) seeds a job with no checkpoint whose ranks hold 2 x 2 boxes of the weight
+    (declared plain tensors, tp=2): ``restore(init_from=...)`` returns 0 with each rank's
+    box filled and a ``seed`` event; once the job has committed a step, init_from is not
+    used."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    full = _full()
+    line = init_device_mesh("cpu", (4,))
+    out = ftkit_env.root / "torch-dcp"
+    dcp.save({"model": {"weight": distribute_tensor(full["w"], line, [Shard(0)]),
+                        "bias": distribute_tensor(full["b"], line, [Replicate()])}},
+             checkpoint_id=str(out))
+    i, j = divmod(RANK, 2)
+    lin = torch.nn.Linear(3, 2)
+    ftkit.declare_shard(lin.weight, (4, 6), (2 * i, 3 * j))
+    ftkit.declare_shard(lin.bias, (4,), (2 * i,))
+    state = {"model": lin}
+    with topology(tp=2) as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1"))
+        assert ckpt.restore(state, init_from=out) == 0
+        assert torch.equal(lin.weight.detach(), full["w"][2 * i:2 * i + 2, 3 * j:3 * j + 3])
+        assert torch.equal(lin.bias.detach(), full["b"][2 * i:2 * i + 2])
+        ckpt.save(1, state)
+        ckpt.close()
+    events = from_rank0(list(read_events(ftkit_env.events_path)) if RANK == 0 else None)
+    [seeded] = [e for e in events if e["event"] == "seed"]
+    assert (seeded["tensors"], seeded["dir"], seeded["missing"]) == (2, str(out), [])
+    with torch.no_grad():
+        lin.weight.zero_()
+    with topology(tp=2) as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1"))
+        assert ckpt.restore(state, init_from=out) == 1      # the committed step wins
+        ckpt.close()
+    assert torch.equal(lin.weight.detach(), full["w"][2 * i:2 * i + 2, 3 * j:3 * j + 3])
+
+
+def _swapped(full: dict[str, Any]) -> dict[str, Any]:
+    """``_state``'s model with the weight's mesh placements swapped: the same local shape
+    (2, 3) on every rank, but rank (a, b) now holds rows 2b.., columns 3a.."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+    grid, line = init_device_mesh("cpu", (2, 2)), init_device_mesh("cpu", (4,))
+    lin = torch.nn.Linear(6, 4)
+    lin.weight = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), grid,
+                                                      [Shard(1), Shard(0)]))
+    lin.bias = torch.nn.Parameter(distribute_tensor(torch.zeros(4), line, [Replicate()]))
+    return {"model": lin, "optim": torch.optim.Adam(lin.parameters(), lr=0.1),
+            "rows": distribute_tensor(torch.zeros(10, 3), line, [Shard(0)])}
+
+
+def test_placements_changed_on_the_same_layout_are_resharded(ftkit_env: Any,
+                                                             torch_group: None) -> None:
+    """The same world, tp and pp, but the weight's DTensor placements swapped: every local
+    piece has its old shape, so loading each rank's saved piece in place would put it in
+    another rank's box. The node-local step is skipped for its other cut (named), the PFS
+    step is resharded, and each rank's piece is its own box of the saved weight; with no
+    PFS level the restore refuses, naming the tensor, and changes nothing."""
+    full = _full()
+    state = _state(full)
+    whole_w = state["model"].weight.full_tensor()
+    with topology() as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1,pfs:1"))
+        ckpt.save(1, state)
+        ckpt.close()
+    new = _swapped(full)
+    a, b = divmod(RANK, 2)
+    with topology() as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1"))
+        with pytest.raises(ftkit.UnrecoverableError, match="another cut: model/weight holds"):
+            ckpt.restore(new)
+        ckpt.close()
+    assert not new["model"].weight.to_local().any()
+    with topology() as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1,pfs:1"))
+        assert ckpt.restore(new) == 1
+        ckpt.close()
+    assert torch.equal(new["model"].weight.to_local(), whole_w[2 * b:2 * b + 2, 3 * a:3 * a + 3])
+    skips = [e for e in events(ftkit_env.events_path) if e["event"] == "restore-skip"]
+    assert skips and "another cut" in skips[-1]["reason"], skips

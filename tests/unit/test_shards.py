@@ -111,3 +111,23 @@ def test_nothing_declared_and_no_optimizer_adds_nothing() -> None:
     state = {"model": torch.nn.Linear(2, 2), "x": [1, 2]}
     _, leaves = flatten(state)
     assert describe(state, leaves) == {}
+
+
+def test_cut_difference_names_a_piece_of_another_box() -> None:
+    """Same local shapes, other boxes: named; an undeclared tensor equals a whole one."""
+    from ftkit.capture.shards import cut_difference
+    w = ftkit.declare_shard(torch.zeros(2, 3), (4, 6), (2, 3))
+    state = {"model": {"w": w, "b": torch.zeros(4)}}
+    leaves = flatten(state)[1]
+    index = next(i for i, leaf in enumerate(leaves) if leaf.path == "model/w")
+    same = make_spec((4, 6), [((2, 3), (2, 3))])
+    assert cut_difference({index: same}, state, leaves) is None
+    other = make_spec((4, 6), [((0, 3), (2, 3))])
+    why = cut_difference({index: other}, state, leaves)
+    assert why == ("model/w holds the box(es) [0, 3]+[2, 3] of [4, 6] in the checkpoint but "
+                   "the box(es) [2, 3]+[2, 3] of [4, 6] in the state"), why
+    b = next(i for i, leaf in enumerate(leaves) if leaf.path == "model/b")
+    assert cut_difference({index: same, b: make_spec((4,), [((0,), (4,))])}, state,
+                          leaves) is None
+    assert "model/b holds the box(es) [0]+[4] of [8] in the checkpoint but whole [4]" in \
+        cut_difference({index: same, b: make_spec((8,), [((0,), (4,))])}, state, leaves)
