@@ -167,6 +167,8 @@ class Checkpointer:
             done = seed(path, state)
         except FtkitError as exc:
             failure = str(exc)
+        except Exception as exc:  # noqa: BLE001 - agreed below, like an FtkitError
+            failure = f"cannot seed from DCP checkpoint {path}: {describe(exc)}"
         failures = self.dc.agree(failure, "seed", 0)
         if failures:
             rank, why = min(failures.items())

@@ -304,19 +304,21 @@ def _cut_text(spec: ShardSpec) -> str:
     return f"the box(es) {boxes}{more} of {list(spec.global_shape)}"
 
 
-def cut_difference(saved: dict[int, ShardSpec], state: Any, leaves: list[TensorLeaf]
+def cut_difference(saved: dict[str, ShardSpec | None], state: Any, leaves: list[TensorLeaf]
                    ) -> str | None:
     """Where a checkpoint's cut of its tensors differs from the live ``state``'s (flattened
-    as ``leaves``): ``saved`` maps a tensor index to its declared spec (absent: whole). The
+    as ``leaves``): ``saved`` maps the path of every tensor of the checkpoint to its
+    declared spec (None: whole). Tensors are matched by path (a fresh optimizer has no state
+    yet: the leaves need not line up), live ones the checkpoint lacks are not compared. The
     first tensor whose piece is another part of its global tensor, in words (the local
     shapes may still agree: a 2 x 2 mesh with its placements swapped), else None. Local."""
     live = {int(i): ShardSpec.from_json(s)
             for i, s in describe(state, leaves).get("shards", {}).items()}
     for i, leaf in enumerate(leaves):
-        if leaf.kind != "torch":
+        if leaf.kind != "torch" or leaf.path not in saved:
             continue
         mine = live.get(i) or whole(leaf.shape)
-        theirs = saved.get(i) or whole(leaf.shape)
+        theirs = saved[leaf.path] or whole(leaf.shape)
         if mine != theirs:
             return (f"{leaf.path} holds {_cut_text(theirs)} in the checkpoint but "
                     f"{_cut_text(mine)} in the state")

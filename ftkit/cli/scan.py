@@ -23,6 +23,7 @@ import xxhash
 from ftkit.cli.fmt import human
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5files
+from ftkit.storage.pfs.h5data import BlockSums
 from ftkit.storage.pfs.hdf5 import COMMITTED, INDEX
 from ftkit.storage.pfs.hdf5 import raw_bytes as _raw
 from ftkit.storage.stepnames import step_dirs, step_number
@@ -295,16 +296,29 @@ def iter_blocks(ds: Any, block_bytes: int = BLOCK_BYTES) -> Iterator[np.ndarray]
 
 
 def dataset_checksum(ds: Any, block_bytes: int = BLOCK_BYTES,
-                     on_block: Callable[[int], None] | None = None) -> str:
+                     on_block: Callable[[int], None] | None = None,
+                     sums: BlockSums | None = None) -> str:
     """xxh3-64 of a dataset's bytes in C order (the value :func:`ftkit.storage.shard.checksum`
     gives for the whole array), read in blocks of about ``block_bytes``; ``on_block(n)``
-    after each block of ``n`` bytes."""
+    after each block of ``n`` bytes; ``sums`` also fed every byte (block checksums)."""
     h = xxhash.xxh3_64()
     for block in iter_blocks(ds, block_bytes):
         h.update(block.data)
+        if sums is not None:
+            sums.update(block.data)
         if on_block is not None:
             on_block(block.nbytes)
     return "xxh3-64:" + h.hexdigest()
+
+
+def _block_mismatch(entry: dict[str, Any], sums: BlockSums | None) -> str | None:
+    """Which recorded block checksum the data does not have (None: all agree)."""
+    if sums is None:
+        return None
+    got, want = sums.done(), entry["blocks"][1]
+    bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+               None if len(got) == len(want) else min(len(got), len(want)))
+    return None if bad is None else f"block {bad} does not match its block checksum"
 
 
 def _entry(entry: dict[str, Any], file: Path | str) -> dict[str, Any]:
@@ -443,13 +457,16 @@ def _scan_rank(sc: StepScan, rank: int, group: Any, verify: bool, rep: Reporter)
     for entry, ds in zip(group.entries, group.datasets):
         ds_where = f"{group.file}:{ds.name}"
         rep.progress(ds_where)
+        sums = BlockSums(entry["blocks"][0]) if entry["blocks"] else None
         try:
-            got = dataset_checksum(ds, on_block=lambda n: rep.progress(nbytes=n))
+            got = dataset_checksum(ds, on_block=lambda n: rep.progress(nbytes=n), sums=sums)
         except Exception as exc:  # noqa: BLE001 - any library error: unreadable
             sc.add(ds_where, f"unreadable data: {type(exc).__name__}: {_why(exc)}")
             continue
         if got != entry["checksum"]:
             sc.add(ds_where, f"checksum mismatch: stored {entry['checksum']}, data has {got}")
+        elif (why := _block_mismatch(entry, sums)) is not None:
+            sc.add(ds_where, why)
         sc.checked += 1
         sc.checked_bytes += entry["nbytes"]
         rep.progress(datasets=1)

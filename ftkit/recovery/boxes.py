@@ -19,8 +19,8 @@ import numpy as np
 
 from ftkit.capture.shards import Chunk, ShardSpec, first_overlap, whole
 
-__all__ = ["Copy", "Source", "check_boxes", "copy", "direct", "intersect", "numel", "plan",
-           "whole", "window"]
+__all__ = ["Copy", "Source", "blocks_needed", "byte_span", "check_boxes", "copy", "direct",
+           "intersect", "numel", "plan", "whole", "window"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,33 @@ def copy(c: Copy, source: np.ndarray, dest: np.ndarray, itemsize: int) -> None:
     src = _block(_elements(source, itemsize), c.source.start, c.source.box)
     dst = _block(_elements(dest, itemsize), c.start, c.box)
     np.copyto(dst[window(c.inter, c.box)], src[window(c.inter, c.source.box)])
+
+
+def _flat(index: Sequence[int], sizes: Sequence[int]) -> int:
+    """C-order position of ``index`` in a block of ``sizes``."""
+    pos = 0
+    for i, n in zip(index, sizes):
+        pos = pos * n + i
+    return pos
+
+
+def byte_span(c: Copy, itemsize: int) -> tuple[int, int]:
+    """The bytes of the saved tensor between the first and the last element ``c`` reads
+    (all of them when the copy takes whole rows of a C-order box; a superset otherwise)."""
+    box, inter = c.source.box, c.inter
+    first = _flat([o - b for o, b in zip(inter.offsets, box.offsets)], box.sizes)
+    last = _flat([o + n - 1 - b for o, n, b in zip(inter.offsets, inter.sizes, box.offsets)],
+                 box.sizes)
+    return (c.source.start + first) * itemsize, (c.source.start + last + 1) * itemsize
+
+
+def blocks_needed(spans: Sequence[tuple[int, int]], block: int, nbytes: int
+                  ) -> list[int] | None:
+    """The blocks of ``block`` bytes (of an ``nbytes`` tensor) that hold the byte ``spans``,
+    in order; None when that is every block (then the tensor is read whole)."""
+    need = sorted({b for lo, hi in spans if hi > lo for b in range(lo // block,
+                                                                   (hi - 1) // block + 1)})
+    return None if len(need) >= -(-nbytes // block) else need
 
 
 def numel(shape: Sequence[int]) -> int:

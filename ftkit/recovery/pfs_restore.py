@@ -159,8 +159,8 @@ def _other_cut(group: Any, state: Any, step: int) -> bool:
     live state (changed DTensor placements or declarations on the same layout): then the
     step is resharded like one of another layout. Local (every rank reshards its own
     pieces; the others may still read theirs directly)."""
-    saved = {int(e["index"]): reshard.spec_of(e) for e in group.entries
-             if e["shard"] is not None}
+    saved = {e["path"]: reshard.spec_of(e) if e["shard"] is not None else None
+             for e in group.entries}
     why = cut_difference(saved, state, live_leaves(state, loaders.extra_layout))
     if why is not None:
         log.info("restore: PFS step %d: %s: resharded", step, why)

@@ -19,8 +19,10 @@ global tensor and who holds each — then builds its own state tree from its liv
   (dp mod saved dp, tp mod saved tp, pp mod saved pp), so a pure DP change behaves like
   the DP-only path (:func:`ftkit.recovery.pfs_restore.source_rank`).
 
-Each saved tensor a rank needs is read once, whole, and checked against its checksum; a
-tensor that fits as it is lands straight in its destination. Local: the caller agrees on
+Each saved tensor a rank needs is read once and checked: whole against its checksum, or,
+when it records block checksums (rank files, tensors of several 4 MiB blocks) and the rank
+needs only some of its blocks, just those blocks, each against its own checksum. A tensor
+that fits as it is lands straight in its destination. Local: the caller agrees on
 the outcome (:func:`ftkit.recovery.pfs_restore.restore_from_pfs`).
 """
 from __future__ import annotations
@@ -376,6 +378,18 @@ class Resharded:
                 out.setdefault((c.source.rank, c.source.index), []).append((j, c))
         return out
 
+    def _read_part(self, group: RankGroup, index: int, copies: list[Copy], size: int,
+                   raw: np.ndarray) -> bool:
+        """Only the blocks of saved tensor ``index`` that ``copies`` read, into their places
+        of ``raw``, each checked (:meth:`StepReader.read_blocks`); False when the tensor
+        records no blocks or every block is needed (then it is read whole)."""
+        entry = group.entries[index]
+        if not entry["blocks"]:
+            return False
+        need = boxes.blocks_needed([boxes.byte_span(c, size) for c in copies],
+                                   entry["blocks"][0], entry["nbytes"])
+        return need is not None and self.reader.read_blocks(group, index, need, raw)
+
     def read(self, gate: Gate, progress: Callable[[int], None]) -> None:
         """Read every saved tensor this rank needs once (checksum checked) and copy its
         boxes into the destinations, live ones through ``gate``; raises on any problem."""
@@ -393,9 +407,10 @@ class Resharded:
                     self.reader.read_tensor(group, index, landing)
                 else:
                     raw = np.empty(entry["nbytes"], dtype=np.uint8)
-                    landing.start(raw, False)
-                    self.reader.read_tensor(group, index, landing)
                     size = itemsize(entry["kind"], entry["dtype"])
+                    if not self._read_part(group, index, [c for _, c in uses], size, raw):
+                        landing.start(raw, False)
+                        self.reader.read_tensor(group, index, landing)
                     for j, c in uses:
                         with gate.passage():
                             boxes.copy(c, raw, self.dests[j], size)

@@ -328,8 +328,9 @@ def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> Reading:
     except DecodeError as exc:
         raise CorruptCheckpointError(str(shard.path), str(exc), rank=rank, step=step) \
             from None
-    saved = {int(i): ShardSpec.from_json(s)
-             for i, s in header_table(shard.header, "shards").items()}
+    specs = header_table(shard.header, "shards")
+    saved = {t["path"]: ShardSpec.from_json(specs[str(i)]) if str(i) in specs else None
+             for i, t in enumerate(shard.header["tensors"])}
     why = cut_difference(saved, state, live_leaves(state, loaders.extra_layout))
     if why is not None:
         raise ValueError(f"step {step} was saved with another cut: {why} (DTensor placements "

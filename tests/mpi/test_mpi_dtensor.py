@@ -219,6 +219,13 @@ def test_seed_from_a_dcp_checkpoint_written_by_torch(ftkit_env: Any, torch_group
         assert ckpt.restore(state, init_from=out) == 1      # the committed step wins
         ckpt.close()
     assert torch.equal(lin.weight.detach(), full["w"][2 * i:2 * i + 2, 3 * j:3 * j + 3])
+    new = _resharded_state(full)           # DTensors of other placements, in another job
+    with topology() as topo:
+        ckpt = ftkit.Checkpointer(topo, ftkit.Config.load(levels="local:1", job="dt"))
+        assert ckpt.restore(new, init_from=out) == 0
+        ckpt.close()
+    assert torch.equal(new["model"].weight.to_local(), full["w"][RANK:RANK + 1])
+    assert torch.equal(new["model"].bias.to_local(), full["b"])
 
 
 def _swapped(full: dict[str, Any]) -> dict[str, Any]:

@@ -106,3 +106,45 @@ def read_dataset(fd: int | None, ds: Any, nbytes: int, landing: Landing) -> str:
             landing.land(at + a, piece)
     passes.count("read", nbytes)
     return XXH3 + h.hexdigest()
+
+
+def read_range(fd: int, where: list[Span], lo: int, out: np.ndarray) -> None:
+    """Bytes ``lo .. lo + len(out)`` of a dataset whose bytes lie at ``where``
+    (:func:`spans`) into ``out`` (flat uint8). OSError on a short read."""
+    hi = lo + len(out)
+    for file_at, at, length in where:
+        a, b = max(lo, at), min(hi, at + length)
+        if a < b:
+            piece = out[a - lo:b - lo]
+            if os.preadv(fd, [piece.data], file_at + a - at) != len(piece):
+                raise OSError(f"short read at offset {file_at + a - at} (the file ends early)")
+    passes.count("read", len(out))
+
+
+class BlockSums:
+    """The xxh3-64 of every ``size``-byte block of a byte stream fed in pieces of any size
+    (a dataset's ``block_checksums``, recomputed by ``ftkit verify``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.left = size, size
+        self.sums: list[int] = []
+        self.h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data):
+            take = min(self.left, len(data))
+            self.h.update(data[:take])
+            data, self.left = data[take:], self.left - take
+            if not self.left:
+                self._close()
+
+    def _close(self) -> None:
+        self.sums.append(self.h.intdigest())
+        self.h, self.left = xxhash.xxh3_64(), self.size
+
+    def done(self) -> list[int]:
+        """Every block's digest (the last one may be short)."""
+        if self.left != self.size:
+            self._close()
+        return self.sums

@@ -60,7 +60,24 @@ def tensor_entry(name: str, ds: Any, a: dict[str, Any]) -> dict[str, Any]:
     return {"path": path, "kind": kind, "dtype": dtype, "shape": shape, "nbytes": nbytes,
             "checksum": digest, "index": _int(a["ftkit_index"], "ftkit_index"),
             "name": str(ds.name), "dataset_name": name, "shard": shard_of(a, shape),
-            "key": key}
+            "key": key, "blocks": blocks_of(a, nbytes)}
+
+
+def blocks_of(a: dict[str, Any], nbytes: int) -> tuple[int, list[int]] | None:
+    """``(block_bytes, [xxh3-64 of each block])`` of a dataset that records them, else None;
+    ValueError/TypeError when the count does not fit the tensor's bytes."""
+    sums = a.get("block_checksums")
+    if sums is None and "block_bytes" not in a:
+        return None
+    size = _int(a.get("block_bytes"), "block_bytes")
+    if size <= 0 or not isinstance(sums, list) or len(sums) != -(-nbytes // size):
+        raise ValueError(f"block_checksums ({_count(sums)}) do not cover {nbytes} bytes in "
+                         f"blocks of {size}")
+    return size, _ints(sums, "block_checksums")
+
+
+def _count(value: Any) -> str:
+    return f"{len(value)} of them" if isinstance(value, list) else repr(value)[:40]
 
 
 def shard_of(a: dict[str, Any], shape: list[int]) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
+import xxhash
 
 from ftkit.capture.landing import GatedLanding
 from ftkit.errors import CorruptCheckpointError
@@ -197,6 +198,34 @@ class StepReader:
         :meth:`read_into`)."""
         self._tensor(int(group.attrs["rank"]), group, group.entries[index],
                      group.datasets[index], landing, True)
+
+    def read_blocks(self, group: RankGroup, index: int, blocks: list[int], out: np.ndarray
+                    ) -> bool:
+        """Only ``blocks`` of tensor ``index`` of ``group`` (its ``block_checksums``) into
+        their places of ``out`` (flat uint8 of the tensor's size), each checked against its
+        block's checksum; False (nothing read) when the tensor records no blocks or its
+        bytes cannot be read straight from the file (the caller then reads it whole).
+        CorruptCheckpointError naming the dataset and block on a mismatch."""
+        entry, ds = group.entries[index], group.datasets[index]
+        rank = int(group.attrs["rank"])
+        where = h5data.spans(ds, entry["nbytes"]) if entry["blocks"] else None
+        if where is None:
+            return False
+        size, sums = entry["blocks"]
+        for b in blocks:
+            lo = b * size
+            piece = out[lo:min(lo + size, entry["nbytes"])]
+            try:
+                h5data.read_range(self._fd(Path(group.file), rank), where, lo, piece)
+            except Exception as exc:
+                raise CorruptCheckpointError(
+                    f"{group.file}:{ds.name}", f"unreadable data: {type(exc).__name__}: "
+                    f"{exc}", rank=rank, step=self.step, level="pfs") from exc
+            if xxhash.xxh3_64_intdigest(piece.data) != sums[b]:
+                raise CorruptCheckpointError(
+                    f"{group.file}:{ds.name}", f"block {b} (bytes {lo}..{lo + len(piece)}) "
+                    f"does not match its checksum", rank=rank, step=self.step, level="pfs")
+        return True
 
     def _tensor(self, rank: int, group: RankGroup, entry: dict[str, Any], ds: Any,
                 landing: Landing, verify: bool) -> None:

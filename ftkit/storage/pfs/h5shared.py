@@ -142,7 +142,8 @@ def fill_rank(path: Path, shard: Shard, offsets: list[int | None]) -> None:
     try:
         with cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-h5-hash") as hasher:
             for i, offset in enumerate(offsets):      # no offset: no bytes, checksum checked
-                hdf5.fill_tensor(shard, i, 0 if offset is None else offset, sink, hasher)
+                hdf5.fill_tensor(shard, i, 0 if offset is None else offset, sink, hasher,
+                                 with_blocks=False)
         os.fsync(fd)
     except OSError as exc:
         raise named(exc, str(path)) from exc

@@ -64,6 +64,9 @@ _H5_TORCH = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "int8": "|i1"
              "complex64": "<c8", "complex128": "<c16"}
 RAW_MIN = PAGE_MIN         # tensors from this size on: raw bytes written at their place
 RAW_PIECE = 4 << 20        # ... hashed and written in pieces of this size
+BLOCK_BYTES = RAW_PIECE    # a rank file's tensor of several pieces also records the xxh3-64
+MAX_BLOCKS = 4096          # of each (``block_checksums``), up to this many: a reshard then
+#                            reads and checks only the blocks it needs
 
 
 def _h5py() -> Any:
@@ -282,16 +285,21 @@ def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
     """Tensor ``i`` of ``shard`` as dataset ``name`` of ``grp``, checked, with its attributes."""
     t = shard.tensors[i]
     dtype = storage_dtype(t)
+    blocks: list[int] = []
     if t["nbytes"] >= RAW_MIN:
         ds = create_unfilled(grp, name, t)
-        fill_tensor(shard, i, int(ds.id.get_offset()), sink, hasher)
+        blocks = fill_tensor(shard, i, int(ds.id.get_offset()), sink, hasher)
     else:
         raw = shard.raw(i)
         if checksum(raw) != t["checksum"]:
             raise corrupt_shard(shard, t)
         data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
         ds = grp.create_dataset(name, data=data)          # contiguous
-    ds.attrs.update(tensor_attrs(shard.header, i))
+    attrs = tensor_attrs(shard.header, i)
+    if 1 < len(blocks) <= MAX_BLOCKS:
+        attrs.update(block_bytes=BLOCK_BYTES,
+                     block_checksums=np.asarray(blocks, dtype=np.uint64))
+    ds.attrs.update(attrs)
 
 
 def create_unfilled(grp: Any, name: str, t: dict[str, Any]) -> Any:
@@ -321,30 +329,41 @@ def create_unfilled(grp: Any, name: str, t: dict[str, Any]) -> Any:
 
 
 def fill_tensor(shard: Shard, index: int, offset: int, sink: H5Sink,
-                hasher: cf.ThreadPoolExecutor) -> None:
+                hasher: cf.ThreadPoolExecutor, *, with_blocks: bool = True) -> list[int]:
     """Write tensor ``index`` of ``shard`` at ``offset`` of the file under ``sink`` from the
     mapped shard in :data:`RAW_PIECE` pieces (``O_DIRECT`` where the file system allows:
     :meth:`H5Sink.write_bulk`), each hashed before it is written (:func:`_hashed_pieces`),
     the whole checked against the tensor's checksum (a mismatch raises
-    CorruptCheckpointError: the file is then discarded)."""
+    CorruptCheckpointError: the file is then discarded). Returns each piece's xxh3-64 (the
+    ``block_checksums`` of :data:`BLOCK_BYTES` blocks) when there are several, up to
+    :data:`MAX_BLOCKS`, and ``with_blocks``; else []."""
     t = shard.tensors[index]
     raw, h = shard.raw(index), xxhash.xxh3_64()
-    for at, piece in _hashed_pieces(raw, h, hasher):
+    blocks: list[int] | None = [] if with_blocks and \
+        1 < -(-raw.nbytes // RAW_PIECE) <= MAX_BLOCKS else None
+    for at, piece in _hashed_pieces(raw, h, hasher, blocks):
         sink.write_bulk(piece, offset + at)
-    passes.count("hash", t["nbytes"])
+    passes.count("hash", t["nbytes"] * (1 if blocks is None else 2))
     if XXH3 + h.hexdigest() != t["checksum"]:
         raise corrupt_shard(shard, t)
+    return blocks or []
 
 
-def _hashed_pieces(raw: np.ndarray, h: Any, hasher: cf.ThreadPoolExecutor
-                   ) -> Iterator[tuple[int, np.ndarray]]:
+def _hashed_pieces(raw: np.ndarray, h: Any, hasher: cf.ThreadPoolExecutor,
+                   blocks: list[int] | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """``(offset, piece)`` of ``raw`` in :data:`RAW_PIECE` pieces, each yielded once ``h``
-    has hashed it; the next piece is hashed on ``hasher``'s thread while the caller writes
-    this one (xxhash holds the GIL, a write releases it: hashing the next piece on the
-    caller's thread instead would wait for the GIL, not overlap). A hash still running when
-    the caller gives up ends before ``hasher`` shuts down, before the shard is unmapped."""
+    has hashed it (and, with ``blocks``, its own xxh3-64 appended there); the next piece is
+    hashed on ``hasher``'s thread while the caller writes this one (xxhash holds the GIL, a
+    write releases it: hashing the next piece on the caller's thread instead would wait for
+    the GIL, not overlap). A hash still running when the caller gives up ends before
+    ``hasher`` shuts down, before the shard is unmapped."""
+    def hash_piece(piece: memoryview) -> None:
+        h.update(piece)
+        if blocks is not None:
+            blocks.append(xxhash.xxh3_64_intdigest(piece))
+
     def ahead(at: int) -> cf.Future[None] | None:
-        return hasher.submit(h.update, raw[at:at + RAW_PIECE].data) \
+        return hasher.submit(hash_piece, raw[at:at + RAW_PIECE].data) \
             if at < raw.nbytes else None
     pending = ahead(0)
     for at in range(0, raw.nbytes, RAW_PIECE):
