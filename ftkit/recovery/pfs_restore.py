@@ -31,6 +31,7 @@ from ftkit.recovery.plan import one_line
 from ftkit.recovery.reshard import Resharded
 from ftkit.recovery.restore import check_fits, load_agreed
 from ftkit.storage.pfs import h5read
+from ftkit.storage.pfs.h5group import RankGroup
 from ftkit.storage.pfs.h5read import StepReader
 from ftkit.storage.pfs.level import PfsLevel, io_allowance
 
@@ -88,9 +89,10 @@ class _Opened:
     """A PFS step opened for restore by one rank: the verified index and group of the
     saved rank it loads, and where each tensor will land (nothing read into the state)."""
 
-    def __init__(self, reader: StepReader, src: int, state: Any, step: int) -> None:
+    def __init__(self, reader: StepReader, src: int, state: Any, step: int,
+                 group: RankGroup | None = None) -> None:
         self.reader = reader
-        self.group = self.reader.group(src)
+        self.group = group or self.reader.group(src)
         leaves = [TensorLeaf(e["path"], e["kind"], e["dtype"], tuple(e["shape"]),
                              e["nbytes"]) for e in self.group.entries]
         try:
@@ -123,11 +125,14 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
     reader = StepReader(step_dir, step, job=pfs.config.job, require_commit=True)
     try:
         meta = reader.meta
+        own = None
         if (int(meta["world"]), int(meta["tp"]), int(meta["pp"])) == (topo.world, topo.tp,
-                                                                       topo.pp) \
-                and not _other_cut(reader.group(topo.rank), state, step):
-            return _Opened(reader, topo.rank, state, step)
-        groups = {r: reader.group(r) for r in range(int(meta["world"]))}
+                                                                       topo.pp):
+            own = reader.group(topo.rank)
+            if not _other_cut(own, state, step):
+                return _Opened(reader, topo.rank, state, step, own)
+        groups = {r: own if r == topo.rank and own is not None else reader.group(r)
+                  for r in range(int(meta["world"]))}
         if reshard.declared(groups):
             return Resharded(reader, groups, topo, state, step)
         return _Opened(reader, source_rank(step_dir, topo, meta), state, step)
