@@ -304,6 +304,15 @@ def _cut_text(spec: ShardSpec) -> str:
     return f"the box(es) {boxes}{more} of {list(spec.global_shape)}"
 
 
+def specs_and_keys(state: Any, leaves: list[TensorLeaf]
+                   ) -> tuple[dict[int, ShardSpec], dict[int, str]]:
+    """:func:`describe`'s ``shards`` and ``keys`` of the live ``state`` (flattened as
+    ``leaves``), decoded: ``{index: spec}`` and ``{index: global key}``. Local."""
+    found = describe(state, leaves)
+    return ({int(i): ShardSpec.from_json(s) for i, s in found.get("shards", {}).items()},
+            {int(i): k for i, k in found.get("keys", {}).items()})
+
+
 def cut_difference(saved: dict[str, ShardSpec | None], state: Any, leaves: list[TensorLeaf]
                    ) -> str | None:
     """Where a checkpoint's cut of its tensors differs from the live ``state``'s (flattened
@@ -312,8 +321,7 @@ def cut_difference(saved: dict[str, ShardSpec | None], state: Any, leaves: list[
     yet: the leaves need not line up), live ones the checkpoint lacks are not compared. The
     first tensor whose piece is another part of its global tensor, in words (the local
     shapes may still agree: a 2 x 2 mesh with its placements swapped), else None. Local."""
-    live = {int(i): ShardSpec.from_json(s)
-            for i, s in describe(state, leaves).get("shards", {}).items()}
+    live = specs_and_keys(state, leaves)[0]
     for i, leaf in enumerate(leaves):
         if leaf.kind != "torch" or leaf.path not in saved:
             continue

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
 import pickle
 from pathlib import Path
@@ -194,6 +193,3 @@ def read_piece(path: Path, tensor: DcpTensor, piece: Piece) -> Any:
                                      f"{list(piece.box.sizes)}", level="dcp")
     return got.contiguous()
 
-
-def numel(tensor: DcpTensor) -> int:
-    return math.prod(tensor.shape)

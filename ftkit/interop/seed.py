@@ -42,9 +42,7 @@ class Target:
 def targets(state: Any) -> list[Target]:
     """The seedable tensors of ``state`` (torch, not RNG state), in flatten order."""
     skel, live = flatten(state, loaders.extra_layout)
-    found = shards.describe(state, live)
-    specs = {int(i): ShardSpec.from_json(s) for i, s in found.get("shards", {}).items()}
-    keys = {int(i): k for i, k in found.get("keys", {}).items()}
+    specs, keys = shards.specs_and_keys(state, live)
     modules = [p for p, o in shards.objects_of(state) if hasattr(o, "named_parameters")]
     skip = rank_local_indices(skel)
     out = []

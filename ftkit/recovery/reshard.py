@@ -194,9 +194,7 @@ class _Builder:
     def __init__(self, catalog: Catalog, template: int, state: Any) -> None:
         self.catalog, self.template = catalog, template
         self.skel, self.live = flatten(state, loaders.extra_layout)
-        found = shards.describe(state, self.live)
-        self.specs = {int(i): ShardSpec.from_json(s) for i, s in found.get("shards", {}).items()}
-        self.keys = {int(i): k for i, k in found.get("keys", {}).items()}
+        self.specs, self.keys = shards.specs_and_keys(state, self.live)
         objects = list(shards.objects_of(state))
         self.modules = [p for p, o in objects if hasattr(o, "named_parameters")]
         self.optimizers = {p: o for p, o in objects if hasattr(o, "param_groups")}

@@ -95,8 +95,7 @@ def read_dataset(fd: int | None, ds: Any, nbytes: int, landing: Landing) -> str:
     else:
         def fill(out: np.ndarray, pos: int) -> None:
             assert fd is not None
-            if os.preadv(fd, [out.data], pos) != len(out):
-                raise OSError(f"short read at offset {pos} (the file ends early)")
+            _pread(fd, out, pos)
     h = xxhash.xxh3_64()
     for file_at, at, length in where:
         for a in range(0, length, landing.piece):
@@ -115,10 +114,14 @@ def read_range(fd: int, where: list[Span], lo: int, out: np.ndarray) -> None:
     for file_at, at, length in where:
         a, b = max(lo, at), min(hi, at + length)
         if a < b:
-            piece = out[a - lo:b - lo]
-            if os.preadv(fd, [piece.data], file_at + a - at) != len(piece):
-                raise OSError(f"short read at offset {file_at + a - at} (the file ends early)")
+            _pread(fd, out[a - lo:b - lo], file_at + a - at)
     passes.count("read", len(out))
+
+
+def _pread(fd: int, out: np.ndarray, pos: int) -> None:
+    """All of ``out`` from offset ``pos`` of ``fd``; OSError when the file ends early."""
+    if os.preadv(fd, [out.data], pos) != len(out):
+        raise OSError(f"short read at offset {pos} (the file ends early)")
 
 
 class BlockSums:

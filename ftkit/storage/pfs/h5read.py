@@ -218,28 +218,30 @@ class StepReader:
             try:
                 h5data.read_range(self._fd(Path(group.file), rank), where, lo, piece)
             except Exception as exc:
-                raise CorruptCheckpointError(
-                    f"{group.file}:{ds.name}", f"unreadable data: {type(exc).__name__}: "
-                    f"{exc}", rank=rank, step=self.step, level="pfs") from exc
+                raise self._bad(group, ds, rank, f"unreadable data: {type(exc).__name__}: "
+                                                 f"{exc}") from exc
             if xxhash.xxh3_64_intdigest(piece.data) != sums[b]:
-                raise CorruptCheckpointError(
-                    f"{group.file}:{ds.name}", f"block {b} (bytes {lo}..{lo + len(piece)}) "
-                    f"does not match its checksum", rank=rank, step=self.step, level="pfs")
+                raise self._bad(group, ds, rank, f"block {b} (bytes {lo}..{lo + len(piece)}) "
+                                                 f"does not match its checksum")
         return True
+
+    def _bad(self, group: RankGroup, ds: Any, rank: int, why: str) -> CorruptCheckpointError:
+        """The error of a dataset whose data cannot be used."""
+        return CorruptCheckpointError(f"{group.file}:{ds.name}", why, rank=rank,
+                                      step=self.step, level="pfs")
 
     def _tensor(self, rank: int, group: RankGroup, entry: dict[str, Any], ds: Any,
                 landing: Landing, verify: bool) -> None:
         """One dataset's bytes into ``landing``, checksum checked (with ``verify``)."""
-        def bad(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{group.file}:{ds.name}", why, rank=rank,
-                                          step=self.step, level="pfs")
         try:
             got = h5data.read_dataset(self._fd(Path(group.file), rank), ds, entry["nbytes"],
                                       landing)
         except Exception as exc:
-            raise bad(f"unreadable data: {type(exc).__name__}: {exc}") from exc
+            raise self._bad(group, ds, rank,
+                            f"unreadable data: {type(exc).__name__}: {exc}") from exc
         if verify and got != entry["checksum"]:
-            raise bad(f"checksum mismatch (stored {entry['checksum']}, data has {got})")
+            raise self._bad(group, ds, rank, f"checksum mismatch (stored {entry['checksum']}, "
+                                             f"data has {got})")
 
     def _fd(self, path: Path, rank: int) -> int:
         """``path`` (a file of this step already checked and opened) open for ``preadv``."""

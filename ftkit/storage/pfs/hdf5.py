@@ -296,7 +296,7 @@ def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
         data = raw if dtype is None else raw.view(dtype).reshape(t["shape"])
         ds = grp.create_dataset(name, data=data)          # contiguous
     attrs = tensor_attrs(shard.header, i)
-    if 1 < len(blocks) <= MAX_BLOCKS:
+    if blocks:
         attrs.update(block_bytes=BLOCK_BYTES,
                      block_checksums=np.asarray(blocks, dtype=np.uint64))
     ds.attrs.update(attrs)
