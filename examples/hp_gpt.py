@@ -414,7 +414,13 @@ def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def main() -> None:
-    comm = MPI.COMM_WORLD
+    # in-job recovery (ftkit run --in-job) calls train again, in the same processes, after
+    # spare ranks took the places of failed ones; otherwise it runs once on COMM_WORLD
+    ftkit.resilient(train)
+
+
+def train(comm: MPI.Comm) -> None:
+    """Build everything that talks to other ranks from ``comm``, restore, train."""
     args = parse_args(comm.size)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

@@ -68,7 +68,13 @@ def main() -> None:
                     help="dropout draws from each rank's torch RNG (0: layout-independent)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
+    # in-job recovery (ftkit run --in-job) calls train again, in the same processes, after
+    # spare ranks took the places of failed ones; otherwise it runs once on COMM_WORLD
+    ftkit.resilient(lambda comm: train(args, comm))
+
+
+def train(args: argparse.Namespace, comm: MPI.Comm) -> None:
+    """Build everything that talks to other ranks from ``comm``, restore, train."""
     init_torch_distributed(comm)
     torch.manual_seed(args.seed)                      # identical replicas
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.ReLU(),

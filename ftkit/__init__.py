@@ -1,7 +1,8 @@
 """ftkit: fault tolerance for hybrid-parallel training.
 
 Public API: :class:`Checkpointer`, :class:`Topology`, :class:`Config`, :class:`RNGState`,
-:func:`init_torch_distributed`, :func:`declare_shard` and the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
+:func:`init_torch_distributed`, :func:`declare_shard`, :func:`resilient` (in-job
+recovery) and the error classes. ``Checkpointer`` and ``Topology`` import mpi4py on first use, so
 ``import ftkit`` works on a login node without MPI.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ftkit.errors import (
     UnrecoverableError,
     UnsupportedStateError,
 )
+from ftkit.injob import resilient
 
 __version__ = "0.1.0"
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "__version__",
     "declare_shard",
     "init_torch_distributed",
+    "resilient",
 ]
 
 

@@ -16,6 +16,7 @@ Protocols run one after another on the background thread, so versions never inte
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ from ftkit.errors import (
 )
 from ftkit.events import append_event, mark_progress
 from ftkit.flushes import Flushes
+from ftkit.injob import flag as injob
 from ftkit.launch.fatal import record_death, record_fatal
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
@@ -59,6 +61,9 @@ from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 State = MutableMapping[str, Any]
+#: seconds :meth:`Checkpointer.abandon` gives the protocol thread to end (it ends at its next
+#: wait; one in the middle of a file write finishes it alone, after the recovery went on)
+ABANDON_WAIT_S = 5.0
 
 
 class Checkpointer:
@@ -91,7 +96,10 @@ class Checkpointer:
         _check_levels(config)
         self.dc = DistComm(topo.comm, config.timeout)
         root = config.node_dir(topo.node, os.environ.get("SLURMD_NODENAME"))
-        self.faults = Faults(config.faults, rank=topo.rank, node=topo.node,
+        # a fault fires in an attempt's first in-job generation only: a spare that takes a
+        # rank's place is a new process and would fire it again
+        self.faults = Faults(config.faults if not injob.generation() else "",
+                             rank=topo.rank, node=topo.node,
                              attempt=config.attempt,
                              rank_node=topo.rank_node, node_dir=root)
         self.local = LocalLevel.for_config(config, topo.node,
@@ -128,6 +136,7 @@ class Checkpointer:
         self._closed = False
         self._admitted = False                   # the state was checked (_admit)
         self._state_bytes = 0                    # tensor bytes of the newest snapshot
+        injob.own(self)                          # abandoned if a peer fails (in-job)
 
     # ------------------------------------------------------------- public API
     def restore(self, state: State, init_from: str | os.PathLike[str] | None = None) -> int:
@@ -326,6 +335,26 @@ class Checkpointer:
         self.dc.free()
         self.claim.release(tidy=tidy)
 
+    def abandon(self) -> None:
+        """In-job recovery, after a peer failed: stop this Checkpointer's threads and give
+        its locks back, without any communication (its communicators are revoked); the next
+        generation builds a new one and restores. What this generation committed stays;
+        what it had not committed is discarded by that restore. Local."""
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, None
+        if pending is not None:     # its next wait raises PeerLost (an old generation's)
+            with contextlib.suppress(Exception):
+                pending.result(timeout=ABANDON_WAIT_S)
+        self._guard.remove()
+        self.stager.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        self.flushes.shutdown(wait=False)
+        self.claim.release()
+        injob.disown(self)
+
     def _may_tidy(self, stopped: bool) -> bool:
         """May a successful end remove the node-local copies (``ftkit run`` asked, the job
         was not stopped early, its newest committed step is on the PFS)? Local."""
@@ -439,6 +468,9 @@ class Checkpointer:
         if out.committed:
             self.last_committed = snap.step
             self.level_last.update({name: snap.step for name in snap.levels})
+            if injob.take_first_step():
+                self._emit("in-job-step", step=snap.step, generation=injob.generation(),
+                           since_failure=round(time.time() - injob.last_failure_at(), 6))
         raise_if_failed(out)
         if self.pfs is not None:
             self.flushes.schedule(snap.step if "pfs" in snap.levels else None, out.flush_busy)
@@ -529,7 +561,9 @@ class Checkpointer:
         return False
 
     def _abort(self, why: str) -> None:
-        """A peer is dead or hung: no consensus is possible without it. Abort the world."""
+        """A peer is dead or hung: no consensus is possible without it. Abort the world
+        (under in-job recovery, a failure it knows of raises PeerLost instead)."""
+        injob.check(why, self.dc.generation)
         log.critical("rank %d: %s; aborting the MPI job", self.topo.rank, why)
         self._emit("timeout", any_rank=True, reason=why)
         record_death(self.topo.rank, aborted=why)

@@ -263,7 +263,7 @@ _KEYS = {
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
 _RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_FATAL_DIR", "FTKIT_ROOT",
-                 "FTKIT_STOP_FILE", "FTKIT_LAUNCH_ID", "FTKIT_TIDY_LOCAL"}
+                 "FTKIT_STOP_FILE", "FTKIT_LAUNCH_ID", "FTKIT_TIDY_LOCAL", "FTKIT_SPARE_RANKS"}
 
 
 def _coerce(field: str, raw: Any, where: str) -> Any:

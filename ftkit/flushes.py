@@ -91,10 +91,11 @@ class Flushes:
         if self.pfs is not None:
             self.pfs.settle()                  # rank 0: retired steps' files are gone
 
-    def shutdown(self) -> None:
-        """Stop the flush thread (after :meth:`finish`). Local."""
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the flush thread (after :meth:`finish`; ``wait=False``: let a flush in
+        progress end on its own, as an abandoned one does under in-job recovery). Local."""
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=wait)
 
     def report_unflushed(self, last_committed: int | None) -> None:
         """Rank 0, at close: an ERROR when the newest PFS flush attempted failed, so the

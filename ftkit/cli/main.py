@@ -94,7 +94,13 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument("--ranks-per-node", type=_positive_int, metavar="K",
                      help="virtual nodes of K consecutive ranks (sets FTKIT_RANKS_PER_NODE)")
     run.add_argument("--spares", type=_non_negative_int, default=0, metavar="S",
-                     help="spare nodes to bring in on failure (Slurm only; recorded)")
+                     help="spare nodes to bring in on failure (Slurm); with --in-job, spare "
+                          "ranks that take failed ranks' places in the running job")
+    run.add_argument("--in-job", action="store_true",
+                     help="recover from failed ranks without a relaunch (mpiexec --with-ft "
+                          "ulfm, Open MPI 5): N ranks train, S spares wait; the script runs "
+                          "its training under ftkit.resilient(train); more failures than "
+                          "spares fall back to a relaunch")
     run.add_argument("--max-restarts", type=_non_negative_int, default=DEFAULT_RESTARTS,
                      metavar="R", help=f"relaunch at most R times (default {DEFAULT_RESTARTS}; "
                                        "0: never)")
@@ -377,7 +383,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        stall_timeout=args.stall_timeout,
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"),
                        restart_delay=args.restart_delay,
-                       tidy=not args.keep_local, shrink=_shrink(args, cfg))
+                       tidy=not args.keep_local, shrink=_shrink(args, cfg),
+                       in_job=args.in_job)
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg, extra=_split_args(args.launcher_args))
         print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "

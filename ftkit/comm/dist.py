@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ftkit.errors import CheckpointError, ProtocolTimeout
+from ftkit.injob import flag as injob
 from ftkit.launch.fatal import record_death, recurs
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class DistComm:
     def __init__(self, comm: MPI.Comm, timeout: float, *, dup: bool = True) -> None:
         self.comm = comm.Dup() if dup else comm
         self.timeout = timeout
+        self.generation = injob.generation()      # in-job recovery: see waitall
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._tag_uses: dict[tuple[int, int, int], int] = {}
@@ -91,12 +93,15 @@ class DistComm:
         transfers (``spin=True``; by default when ``nbytes`` is given) poll back to back,
         yielding the CPU in between; small control messages (and ``spin=False``: a long wait
         for another rank's I/O) back off to millisecond sleeps. On a timeout the requests are
-        left as they are: see :meth:`waitall_bulk` for transfers."""
+        left as they are: see :meth:`waitall_bulk` for transfers. Under in-job recovery a
+        known failure of a peer ends the wait at once (:class:`~ftkit.injob.flag.PeerLost`),
+        as does any wait on a communicator of an earlier generation (abandoned threads)."""
         limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
         spin = nbytes is not None if spin is None else spin
         deadline = time.monotonic() + limit
         pause = 0.0
         while reqs and not MPI.Request.Testall(reqs):
+            injob.check(f"phase {phase!r} of step {step}", self.generation)
             if time.monotonic() > deadline:
                 raise self.timeout_error(phase, step, nbytes=nbytes)
             time.sleep(pause)
@@ -317,6 +322,9 @@ _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken p
 #: seconds a rank that failed only because a peer vanished waits before it aborts the job:
 #: the launcher reports the first death it sees, and it should be the peer's
 LOST_PEER_GRACE = 2.0
+#: seconds a helper thread's uncaught error waits, under in-job recovery, for the failure
+#: flag before it aborts the world (:func:`install_abort_hooks`)
+INJOB_CONFIRM_S = 2.0
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -353,6 +361,11 @@ def install_abort_hooks() -> None:
 
     def _abort(kind: str, exc_type: Any, exc: Any, tb: Any) -> None:
         rank = MPI.COMM_WORLD.Get_rank()
+        if kind != "main thread" and injob.active() and (
+                isinstance(exc, injob.PeerLost) or injob.wait(INJOB_CONFIRM_S)):
+            # the echo of a peer's death in a helper thread: in-job recovery handles it
+            log.info("rank %d: %s ended after a peer failed: %s", rank, kind, exc)
+            return
         if recurs(exc) and not _debugging():
             # a configuration or checkpoint error: its message says it all, no traceback
             sys.stderr.write(f"ftkit: rank {rank}: {type(exc).__name__}: {exc}\n")

@@ -43,6 +43,11 @@ _PLACEMENT_OPTS = frozenset({"--host", "-host", "-H", "--hostfile", "-hostfile",
                              "-machinefile", "-f", "--map-by", "-map-by", "--bind-to",
                              "-bind-to", "--rankfile", "--oversubscribe", "-oversubscribe",
                              "--cpus-per-rank", "-ppn", "--ppn", "--npernode", "-npernode"})
+#: Open MPI 5's fault-tolerant mode (ULFM) for in-job recovery; its shared-memory transport
+#: hangs survivors of a failed process, TCP does not
+ULFM_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
+#: the number of spare processes of an in-job run (read by ftkit.injob.resilient)
+SPARES_ENV = "FTKIT_SPARE_RANKS"
 _PYTHON_NAME = re.compile(r"python[0-9.]*t?")
 #: Interpreter options that take a separate argument (``-W error``, ``-X dev``).
 _OPTS_WITH_ARG = frozenset("WX")
@@ -225,6 +230,7 @@ class MpiexecLauncher:
     flavor: str
     extra: tuple[str, ...] = ()          # ftkit run --launcher-args
     name: str = "mpiexec"
+    spare_ranks: int | None = None       # ftkit run --in-job: K spare processes, ULFM on
 
     @classmethod
     def detect(cls, mpiexec: str | None = None, env: Mapping[str, str] | None = None,
@@ -242,10 +248,24 @@ class MpiexecLauncher:
                         " and ".join(f"{key}=1" for key in added))
         return launcher
 
+    def in_job(self, spares: int) -> MpiexecLauncher:
+        """This launcher for in-job recovery with ``spares`` spare ranks (``ftkit run
+        --in-job``); LaunchError unless it is Open MPI (ULFM: ``--with-ft ulfm``)."""
+        if self.flavor != OPENMPI:
+            raise LaunchError(f"--in-job needs Open MPI 5 with ULFM (mpiexec --with-ft ulfm); "
+                              f"{self.path} is {self.flavor}")
+        return dataclasses.replace(self, spare_ranks=spares)
+
     def command(self, n: int, cmd: Sequence[str]) -> list[str]:
-        """Launcher argv for ``n`` ranks of ``cmd``."""
-        return build_command(n, cmd, self.flavor, self.path, user=self.extra)
+        """Launcher argv for ``n`` ranks of ``cmd`` (plus the spares, with ULFM, in-job)."""
+        if self.spare_ranks is None:
+            return build_command(n, cmd, self.flavor, self.path, user=self.extra)
+        return build_command(n + self.spare_ranks, cmd, self.flavor, self.path,
+                             extra=ULFM_ARGS, user=self.extra)
 
     def environ(self, base: Mapping[str, str]) -> dict[str, str]:
-        """Launcher environment derived from ``base``."""
-        return launch_env(base, self.flavor)
+        """Launcher environment derived from ``base`` (in-job: ``FTKIT_SPARE_RANKS``)."""
+        env = launch_env(base, self.flavor)
+        if self.spare_ranks is not None:
+            env[SPARES_ENV] = str(self.spare_ranks)
+        return env

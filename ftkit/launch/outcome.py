@@ -48,8 +48,8 @@ def stall_reason(seconds: float) -> str:
 
 def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
           interrupted: int | None = None, fatal: Mapping[str, Any] | None = None, *,
-          stalled: float | None = None, failed: Mapping[int, str] | None = None
-          ) -> AttemptResult:
+          stalled: float | None = None, failed: Mapping[int, str] | None = None,
+          released: bool = False) -> AttemptResult:
     """Turn what was observed into an :class:`AttemptResult` (pure).
 
     ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
@@ -57,6 +57,9 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
     is given, else at the ``timeout``. ``fatal`` (a rank's record of an error that would
     recur) makes a failed attempt final, unless ``ftkit run`` was interrupted. ``failed``
     (:func:`ftkit.launch.failures.explain`) names the ranks that took the attempt down.
+    ``released``: the marker says the job finished after an in-job recovery and released
+    every process (``in_job.released``): success whatever the launcher's status (its
+    processes end without MPI_Finalize then: ftkit.injob.resilient).
     """
     failed = {} if failed is None else dict(failed)
     rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
@@ -67,6 +70,9 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
         reason, status, ok = f"launcher killed by {signame(-returncode)}", 128 - returncode, False
     elif rc == 0 and marker:
         reason, status, ok = "succeeded", 0, True
+    elif marker and released:
+        reason, status, ok = (f"succeeded (after in-job recovery; the launcher's exit "
+                              f"{returncode} at teardown is not the job's)"), 0, True
     elif rc == 0:
         reason, status, ok = NO_MARKER_REASON, 1, False
     else:

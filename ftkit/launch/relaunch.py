@@ -115,9 +115,12 @@ def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
                               "(no SLURM_JOB_ID / SLURM_JOB_NODELIST)")
         if spec is None or cfg is None:
             raise LaunchError("the Slurm launcher needs the run's spec and configuration")
+        if spec.in_job:
+            raise LaunchError("--in-job runs under mpiexec only for now (srun starts no ULFM "
+                              "job): give --launcher mpiexec")
         return SlurmLauncher(mpi, senv, spec.n, spec.spares,
                              cfg.job_pfs_dir / "slurm-slots.json", shrink=spec.shrink)
-    return mpi
+    return mpi.in_job(spec.spares) if spec is not None and spec.in_job else mpi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,8 @@ class RunSpec:
     #                                      (when the newest step is on the PFS)
     shrink: int = 0                      # --shrink: out of spares, go on with fewer ranks,
     #                                      a multiple of this (0: requeue instead; Slurm)
+    in_job: bool = False                 # --in-job: spares are ranks replacing failed ones
+    #                                      in the running job (ULFM)
 
     def start(self, attempt: int) -> str:
         """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
@@ -371,9 +376,11 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     if watch.why == "stall":
         log.warning("attempt %d: %s did not change for %g s: the job is taken as hung",
                     attempt, events, spec.stall_timeout)
+    released = bool(marker.read_marker(done_file).get("in_job", {}).get("released"))
     result = judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
                    interrupt.signum, fatal, failed=failed,
-                   stalled=spec.stall_timeout if watch.why == "stall" else None)
+                   stalled=spec.stall_timeout if watch.why == "stall" else None,
+                   released=released)
     return dataclasses.replace(result, resumed=None if events is None
                                else restored_step(events, attempt))
 
@@ -428,7 +435,7 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
     """The body of :func:`run_job`, under the job lock."""
     out = sys.stdout if out is None else out
     recover = getattr(launcher, "after_failure", None)      # the Slurm launcher has it
-    if spec.spares and recover is None:
+    if spec.spares and recover is None and not spec.in_job:
         log.warning("--spares %d has no effect outside a Slurm allocation", spec.spares)
     if spec.shrink and recover is None:
         log.warning("--shrink has no effect outside a Slurm allocation: mpiexec's hosts are "

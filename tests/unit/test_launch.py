@@ -299,6 +299,18 @@ def test_judge_distrusts_exit_zero_and_maps_signals() -> None:
     assert attempt_line(stopped, 5).endswith("; not relaunching")
 
 
+def test_judge_takes_a_released_in_job_marker_as_success_whatever_the_status() -> None:
+    """After an in-job recovery the processes end without MPI_Finalize (it hangs in Open
+    MPI 5 after failures), so mpiexec's status may be 1: the marker's ``in_job.released``
+    decides. Without the marker, released means nothing."""
+    ok = judge(0, 1, True, 1.0, 60, released=True)
+    assert (ok.ok, ok.status) == (True, 0) and "after in-job recovery" in ok.reason
+    assert "launcher's exit 1" in ok.reason
+    assert not judge(0, 1, False, 1.0, 60, released=True).ok
+    assert not judge(0, 1, True, 1.0, 60).ok
+    assert not judge(0, None, True, 1.0, 60, released=True).ok      # timed out: not done
+
+
 def test_done_file_is_absolute_per_attempt(job: Path) -> None:
     cfg = Config.load()
     assert done_file_path(cfg, 2) == job / ".done-attempt-2"

@@ -1,0 +1,145 @@
+"""In-job recovery against a relaunch: time from a rank's death to the first training step
+committed again, the toy example, same ranks, alternating rounds.
+
+    python bench/injob.py [--ranks 8] [--repeat 5] [--steps 40] [--out DIR]
+
+Every round is one real job of ``examples/toy_dp.py`` on ``--ranks`` working ranks in
+virtual nodes of 2 (``FTKIT_LEVELS=local:1,partner:1``, node-local directories in a private
+temporary directory), killed from outside: once step ``K`` (random, 8..steps-10) is
+committed (``commit`` event), the benchmark SIGKILLs one random working rank's process and
+notes the wall clock. Two kinds of round, alternating:
+
+* ``in_job``: ``ftkit run --in-job --spares 2``; recovered = the ``in-job-step`` event (the
+  first step committed after the spare took the rank's place, same processes);
+* ``relaunch``: ``ftkit run --max-restarts 1``; recovered = the first ``commit`` event of
+  attempt 1 (new mpiexec, interpreters, torch, MPI, gloo, restore, one step).
+
+Both figures include the step trained again after the restore. Prints the median, min and
+max of each and their ratio; writes ``injob.json``. Every round must end with the same
+digest as the others (else the benchmark fails).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "examples" / "toy_dp.py"
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    out = []
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    except OSError:
+        pass
+    return out
+
+
+def _pid_of(cwd: Path, world_rank: int) -> int | None:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") != str(cwd):
+                continue
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"OMPI_COMM_WORLD_RANK={world_rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+def one_round(kind: str, ranks: int, steps: int, step: int, victim: int) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"ftkit-injob-{kind}-"))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FTKIT_")}
+        env.update(FTKIT_JOB="bench", FTKIT_LOCAL_DIR=str(tmp / "local"),
+                   FTKIT_PFS_DIR=str(tmp / "pfs"), FTKIT_LEVELS="local:1,partner:1",
+                   OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        extra = ["--in-job", "--spares", "2"] if kind == "in_job" else ["--max-restarts", "1"]
+        cmd = [sys.executable, "-m", "ftkit.cli.main", "run", "-n", str(ranks),
+               "--ranks-per-node", "2", "--restart-delay", "0", "--attempt-timeout", "300",
+               *extra, "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", "1"]
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        events = tmp / "pfs" / "bench" / "events.jsonl"
+        killed_at = None
+        deadline = time.monotonic() + 300
+        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
+            if any(e["event"] == "commit" and e["step"] >= step for e in _events(events)):
+                pid = _pid_of(tmp, victim)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.time()
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode != 0 or killed_at is None:
+            raise SystemExit(f"{kind} round failed (rc {proc.returncode}, killed "
+                             f"{killed_at}):\n{out[-2000:]}\n{err[-3000:]}")
+        got = _events(events)
+        if kind == "in_job":
+            back = [e["time"] for e in got if e["event"] == "in-job-step"]
+        else:
+            back = [e["time"] for e in got if e["event"] == "commit" and e.get("attempt") == 1]
+        digest = [json.loads(ln)["digest"] for ln in out.splitlines()
+                  if ln.startswith('{"event": "done"')][-1]
+        return {"kind": kind, "step": step, "victim": victim,
+                "seconds": round(back[0] - killed_at, 3), "digest": digest}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    rounds = []
+    for i in range(args.repeat):
+        for kind in (("in_job", "relaunch") if i % 2 == 0 else ("relaunch", "in_job")):
+            r = one_round(kind, args.ranks, args.steps, rng.randrange(8, args.steps - 10),
+                          rng.randrange(args.ranks))
+            print(f"round {i} {kind}: {r['seconds']:.3f} s (rank {r['victim']} killed "
+                  f"after step {r['step']})", flush=True)
+            rounds.append(r)
+    if len({r["digest"] for r in rounds}) != 1:
+        raise SystemExit(f"digests differ between rounds: {rounds}")
+    summary: dict[str, Any] = {}
+    for kind in ("in_job", "relaunch"):
+        xs = [r["seconds"] for r in rounds if r["kind"] == kind]
+        summary[kind] = {"median_s": statistics.median(xs), "min_s": min(xs),
+                         "max_s": max(xs), "n": len(xs)}
+        print(f"{kind}: failure -> first step again: median {statistics.median(xs):.3f} s "
+              f"(min {min(xs):.3f}, max {max(xs):.3f}, n {len(xs)})")
+    ratio = summary["relaunch"]["median_s"] / summary["in_job"]["median_s"]
+    print(f"relaunch / in-job (medians): {ratio:.1f}x; {args.ranks} working ranks, seed {seed}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "injob.json").write_text(json.dumps(
+        {"ranks": args.ranks, "spares": 2, "seed": seed, "rounds": rounds,
+         "summary": summary, "relaunch_over_in_job": ratio}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

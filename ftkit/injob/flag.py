@@ -1,0 +1,140 @@
+"""Has a peer of this in-job generation failed? The process-wide failure flag.
+
+In-job recovery (:mod:`ftkit.injob`) keeps the processes of a job alive across a rank's
+death. Once a failure is known on this rank (ULFM reported it to the watcher thread, or a
+collective of the training loop lost a peer), every wait of ftkit must end at once instead
+of running into its deadline, and the thread hooks must not abort the MPI world for an
+error that is only the failure's echo. This module is that shared knowledge: a flag, the
+time it was tripped, the generation (how many in-job recoveries this process went through)
+and the objects to tear down before the next generation. It imports nothing heavy (no MPI),
+so every ftkit module may ask it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Protocol
+
+from ftkit.errors import FtkitError
+
+
+class PeerLost(FtkitError):
+    """A rank of this job failed while this rank waited on it; in-job recovery takes over
+    (raised on every surviving rank's waits once the failure is known; never recurs)."""
+
+
+class Abandonable(Protocol):
+    def abandon(self) -> None: ...
+
+
+class _Flag:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+        self.at = 0.0                   # time.time() when tripped here
+        self.generation = 0
+        self.active = False             # this process runs under ftkit.resilient in-job
+        self.owned: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.first_step_due = False     # the first save after a recovery reports its time
+        self.last_at = 0.0              # when the failure of the previous generation tripped
+
+
+_FLAG = _Flag()
+
+
+def activate() -> None:
+    """This process runs in-job recovery (called by :func:`ftkit.resilient`). Local."""
+    _FLAG.active = True
+
+
+def active() -> bool:
+    """Whether this process runs under in-job recovery (local, pure read)."""
+    return _FLAG.active
+
+
+def trip(reason: str) -> bool:
+    """Record that a peer failed (the first reason wins); True if this call tripped it."""
+    if _FLAG.event.is_set():
+        return False
+    _FLAG.reason, _FLAG.at = reason, time.time()
+    _FLAG.event.set()
+    return True
+
+
+def tripped() -> bool:
+    """Whether a failure of this generation is known on this rank (local)."""
+    return _FLAG.event.is_set()
+
+
+def reason() -> str:
+    return _FLAG.reason
+
+
+def tripped_at() -> float:
+    return _FLAG.at
+
+
+def wait(timeout: float) -> bool:
+    """Block up to ``timeout`` seconds for the flag; returns whether it is set."""
+    return _FLAG.event.wait(timeout)
+
+
+def check(what: str, generation: int | None = None) -> None:
+    """Raise :class:`PeerLost` when a failure is known, or when the caller belongs to an
+    earlier ``generation`` (a thread of an abandoned Checkpointer: its peers are gone).
+    Every polling wait of ftkit calls it."""
+    if _FLAG.event.is_set():
+        raise PeerLost(f"{what}: a peer rank failed ({_FLAG.reason}); in-job recovery")
+    if generation is not None and generation != _FLAG.generation:
+        raise PeerLost(f"{what}: abandoned (generation {generation}, now "
+                       f"{_FLAG.generation}) after a peer failed; in-job recovery")
+
+
+def generation() -> int:
+    """In-job recoveries this process went through (0: the launch's first generation)."""
+    return _FLAG.generation
+
+
+def next_generation() -> None:
+    """Clear the flag for the generation that starts after a recovery. Local."""
+    _FLAG.generation += 1
+    _FLAG.last_at = _FLAG.at
+    _FLAG.reason, _FLAG.at = "", 0.0
+    _FLAG.first_step_due = True
+    _FLAG.event.clear()
+
+
+def last_failure_at() -> float:
+    """``time.time()`` when the failure that started this generation tripped here."""
+    return _FLAG.last_at
+
+
+def take_first_step() -> bool:
+    """True once per generation after a recovery: the caller reports the first step."""
+    due, _FLAG.first_step_due = _FLAG.first_step_due, False
+    return due
+
+
+def own(obj: Abandonable) -> None:
+    """Register ``obj`` (a Checkpointer) to be abandoned before the next generation."""
+    if _FLAG.active:
+        _FLAG.owned.add(obj)
+
+
+def disown(obj: Abandonable) -> None:
+    _FLAG.owned.discard(obj)
+
+
+def abandon_all() -> list[str]:
+    """Abandon every registered object (local, no communication); returns the errors."""
+    errors = []
+    for obj in list(_FLAG.owned):
+        try:
+            obj.abandon()
+        except Exception as exc:  # noqa: BLE001 - keep tearing down the rest
+            errors.append(f"{type(exc).__name__}: {exc}")
+        _FLAG.owned.discard(obj)
+    return errors
+
+

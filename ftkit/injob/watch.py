@@ -1,0 +1,95 @@
+"""The failure watcher: a thread per process that learns of a peer's death from ULFM.
+
+Each generation's *world* communicator (working ranks and spares) carries one receive from
+``MPI_ANY_SOURCE`` per process, posted by :class:`Watch`. ULFM completes it with
+``MPI_ERR_PROC_FAILED(_PENDING)`` when any process of the world dies, or with
+``MPI_ERR_REVOKED`` when a survivor revoked the world; either way the watcher trips the
+process's failure flag (:mod:`ftkit.injob.flag`) and revokes the world and the working
+communicator, so every survivor and every spare learns of the failure within milliseconds
+whatever it is blocked in. A message with :data:`DONE` ends the watch of a job that finished.
+
+The receive is polled with ``MPI_Test`` every :data:`POLL_S` seconds: a blocking wait would
+spin a core per process (Open MPI's progress loop).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+from mpi4py import MPI
+
+from ftkit.injob import flag, sockets
+
+log = logging.getLogger(__name__)
+
+#: tag of the watch messages on the world communicator (below DistComm's bulk tags)
+TAG = 7
+DONE = b"D"
+POLL_S = 0.002
+#: ULFM error classes that mean "a process of this communicator failed"
+FAILURE_CLASSES = tuple(getattr(MPI, name) for name in
+                        ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                        if hasattr(MPI, name))
+
+
+def is_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is MPI's report of a failed process or a revoked communicator."""
+    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURE_CLASSES
+
+
+def revoke(comm: MPI.Comm | None) -> None:
+    """Revoke ``comm`` (ULFM), ignoring a communicator that is already revoked or null."""
+    if comm is None or comm == MPI.COMM_NULL:
+        return
+    with contextlib.suppress(MPI.Exception, NotImplementedError, AttributeError):
+        comm.Revoke()
+
+
+class Watch:
+    """Watch ``world`` for failures until :meth:`finish` or a failure. Every process of
+    ``world`` starts one per generation (local; the DONE message comes from rank 0)."""
+
+    def __init__(self, world: MPI.Comm, work: MPI.Comm | None) -> None:
+        self.world, self.work = world, work
+        self.done = threading.Event()          # ended by DONE (the job finished)
+        self._buf = bytearray(1)
+        self._req = world.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG)
+        self._thread = threading.Thread(target=self._run, name="ftkit-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not flag.tripped():
+                if self._req.Test():         # only DONE is ever sent on TAG
+                    self.done.set()
+                    return
+                flag.wait(POLL_S)
+        except MPI.Exception as exc:
+            why = ("the world was revoked by a peer" if exc.Get_error_class() ==
+                   getattr(MPI, "ERR_REVOKED", -1) else f"MPI reports a failed process "
+                   f"(error class {exc.Get_error_class()})")
+            flag.trip(why)
+        self.alarm(flag.reason())
+
+    def alarm(self, why: str) -> None:
+        """Trip the flag (if not yet), revoke the world and working communicators and shut
+        torch's connections down, so every process learns of the failure and none stays
+        blocked in a collective. Local; any thread."""
+        if flag.trip(why):
+            log.warning("in-job: %s", why)
+        revoke(self.world)
+        revoke(self.work)
+        sockets.shut_down()
+
+    def finish(self) -> None:
+        """The job ended well: rank 0 of ``world`` sends DONE to every process, each waits
+        for its own watcher to stop. All processes of ``world`` call."""
+        if self.world.Get_rank() == 0:
+            reqs = [self.world.Isend([DONE, MPI.BYTE], dest=r, tag=TAG)
+                    for r in range(self.world.Get_size())]
+            MPI.Request.Waitall(reqs)
+        self._thread.join()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)

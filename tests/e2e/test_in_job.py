@@ -1,0 +1,184 @@
+"""In-job recovery (``ftkit run --in-job --spares K``): ranks killed from outside at random
+steps are replaced by spare ranks in the running job, without a relaunch, and training ends
+bit-exact; more failures than spares fall back to a relaunch that ends bit-exact too.
+
+The toy runs on 4 working ranks in virtual nodes of 2 plus 2 spares under
+``mpiexec --with-ft ulfm`` (Open MPI 5). A killer thread watches the job's event log and
+sends SIGKILL to a rank's process (found by its ``OMPI_COMM_WORLD_RANK`` and working
+directory) once the job committed the chosen step in the current generation."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.jobs import Result, run_toy
+
+N, SPARES, STEPS = 4, 2, 40
+LEVELS = "local:1,partner:1"
+IN_JOB = ("--in-job", "--spares", str(SPARES))
+pytestmark = pytest.mark.timeout(600)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass                      # a line being written
+    return out
+
+
+def _pids(cwd: Path, world_ranks: list[int]) -> dict[int, int]:
+    """{world rank: pid} of this job's rank processes (they run in ``cwd``)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") != str(cwd):
+                continue
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for var in env:
+            if var.startswith(b"OMPI_COMM_WORLD_RANK="):
+                rank = int(var.split(b"=", 1)[1])
+                if rank in world_ranks:
+                    out[rank] = int(entry)
+    return out
+
+
+class Killer(threading.Thread):
+    """Kill ``victims[i]`` (world ranks) once step ``steps[i]`` is committed after the
+    previous kill's recovery (its ``in-job-step`` event); ``wipe``: also remove that node's
+    local directory right after its ranks died (a lost node)."""
+
+    def __init__(self, tmp: Path, plan: list[tuple[int, list[int]]], wipe: int | None = None
+                 ) -> None:
+        super().__init__(daemon=True)
+        self.tmp, self.plan, self.wipe = tmp, plan, wipe
+        self.killed: list[tuple[int, dict[int, int], float]] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        events = self.tmp / "pfs" / "e2e" / "events.jsonl"
+        seen = 0                                   # events before this index are old
+        deadline = time.monotonic() + 400
+        try:
+            for i, (step, ranks) in enumerate(self.plan):
+                while time.monotonic() < deadline:
+                    got = _events(events)
+                    if i and not [e for e in got[seen:] if e["event"] == "in-job-step"]:
+                        time.sleep(0.02)           # the previous recovery is not done yet
+                        continue
+                    if [e for e in got[seen:] if e["event"] == "commit"
+                            and e["step"] >= step]:
+                        break
+                    time.sleep(0.02)
+                seen = len(_events(events))
+                self._kill(ranks)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = repr(exc)
+
+    def _kill(self, ranks: list[int]) -> None:
+        pids = _pids(self.tmp, ranks)
+        assert sorted(pids) == sorted(ranks), (ranks, pids)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        if self.wipe is not None:      # a lost node: its memory goes with its processes,
+            # before the spares that take its ranks' places can start (recovery takes
+            # a few hundred ms; this, a few)
+            shutil.rmtree(self.tmp / "local" / "e2e" / f"node-{self.wipe}")
+        self.killed.append((len(self.killed), pids, time.time()))
+
+
+def _losses(res: Result) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in res.json_lines() if r.get("event") == "step"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Result:
+    """The failure-free run (no in-job mode): its losses and digest."""
+    res = run_toy(tmp_path_factory.mktemp("ref"), n=N, steps=STEPS, max_restarts=0,
+                  FTKIT_LEVELS=LEVELS)
+    assert res.rc == 0, res.tail()
+    return res
+
+
+def _check_bitexact(res: Result, reference: Result) -> None:
+    own = dict(_losses(reference))
+    printed = _losses(res)
+    assert {s for s, _ in printed} == set(own), res.tail()
+    assert [(s, loss) for s, loss in printed if loss != own[s]] == [], res.tail()
+    assert res.done["digest"] == reference.done["digest"], res.tail()
+
+
+def test_killed_ranks_are_replaced_in_job_then_a_third_falls_back(
+        tmp_path: Path, reference: Result) -> None:
+    """Two working ranks killed one after another at random steps are replaced by the two
+    spares in the first mpiexec (two ``in-job`` events, no relaunch between); a third,
+    with no spare left, falls back to a relaunch naming why; every printed loss and the
+    final digest equal the failure-free run's."""
+    rng = random.Random()
+    seed = rng.randrange(1 << 30)
+    rng.seed(seed)
+    victims = rng.sample(range(N), 3)
+    steps = sorted(rng.sample(range(5, 30), 3))
+    print(f"seed {seed}: kill world ranks {victims} after steps {steps}")
+    killer = Killer(tmp_path, [(s, [v]) for s, v in zip(steps, victims)])
+    killer.start()
+    res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=1, run_args=IN_JOB,
+                  FTKIT_LEVELS=LEVELS)
+    killer.join(5)
+    assert killer.error is None and len(killer.killed) == 3, (killer.error, killer.killed)
+    assert res.rc == 0, res.tail()
+    events = res.events()
+    recoveries = [e for e in events if e["event"] == "in-job"]
+    assert [(e["attempt"], e["failed"], e["spares_left"]) for e in recoveries] == \
+        [(0, [victims[0]], 1), (0, [victims[1]], 0)], recoveries
+    assert sorted(recoveries[0]["replaced"].values()) + \
+        sorted(recoveries[1]["replaced"].values()) in ([N, N + 1], [N + 1, N]), recoveries
+    assert [e["generation"] for e in events if e["event"] == "in-job-step"] == [1, 2]
+    lines = res.attempt_lines()
+    assert len(lines) == 2, lines
+    assert "in-job recovery impossible: 1 working rank(s) failed" in lines[0], lines
+    assert "0 spare rank(s) are left; falling back to a relaunch" in lines[0], lines
+    assert "succeeded" in lines[1], lines
+    _check_bitexact(res, reference)
+
+
+def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result) -> None:
+    """Both ranks of virtual node 1 killed and its local directory wiped: the
+    two spares take ranks 2 and 3 in the running job, their shards are rebuilt from the
+    partner copies on node 0, and the job ends bit-exact in its first mpiexec."""
+    step = random.randrange(5, 30)
+    print(f"node 1 lost after step {step}")
+    killer = Killer(tmp_path, [(step, [2, 3])], wipe=1)
+    killer.start()
+    res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=0, run_args=IN_JOB,
+                  FTKIT_LEVELS=LEVELS)
+    killer.join(5)
+    assert killer.error is None and len(killer.killed) == 1, killer.error
+    assert res.rc == 0, res.tail()
+    events = res.events()
+    [rec] = [e for e in events if e["event"] == "in-job"]
+    assert rec["failed"] == [2, 3] and rec["replaced"] == {"2": N, "3": N + 1}, rec
+    rebuilt = [e for e in events if e["event"] == "rebuild"]
+    assert rebuilt and rebuilt[0]["nodes"] == ["node-1"], rebuilt
+    assert rebuilt[0]["from_partner"] == [2, 3], rebuilt
+    assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
+    _check_bitexact(res, reference)

@@ -1,0 +1,130 @@
+"""In-job recovery's local parts: roles after a failure, the failure flag, the sockets shut
+down, the spare-rank setting and the ULFM launch line (the recovery itself:
+tests/e2e/test_in_job.py)."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from ftkit.errors import ConfigError, LaunchError
+from ftkit.injob import flag, sockets
+from ftkit.injob.membership import NotEnoughSpares, assign
+from ftkit.injob.resilient import spare_ranks
+from ftkit.launch.mpiexec import MPICH, OPENMPI, SPARES_ENV, MpiexecLauncher
+
+
+def test_spares_take_the_failed_ranks_in_order() -> None:
+    # 4 working ranks, spares are processes 4 and 5; logical ranks 1 and 3 died
+    got = assign({0: 0, 2: 2, 4: -1, 5: -1}, 4)
+    assert got.failed == [1, 3]
+    assert got.replaced == {1: 4, 3: 5}
+    assert got.roles == {0: 0, 2: 2, 4: 1, 5: 3}
+    assert got.spares_left == 0
+
+
+def test_a_spare_that_replaced_a_rank_keeps_it_and_idle_spares_stay_idle() -> None:
+    # generation 2: process 4 took rank 1 earlier; now rank 0 (process 0) died
+    got = assign({1: -1, 2: 2, 3: 3, 4: 1, 5: -1, 6: -1}, 4)
+    assert got.failed == [0] and got.replaced == {0: 1}
+    assert got.roles[4] == 1 and got.roles[5] == -1 and got.roles[6] == -1
+    assert got.spares_left == 2
+
+
+def test_no_failure_changes_nothing() -> None:
+    got = assign({0: 0, 1: 1, 2: -1}, 2)
+    assert got.failed == [] and got.replaced == {} and got.roles == {0: 0, 1: 1, 2: -1}
+
+
+def test_more_failures_than_spares_is_refused_naming_them() -> None:
+    with pytest.raises(NotEnoughSpares, match=r"2 working rank\(s\) failed \(0, 2\) and 1 "
+                                              r"spare"):
+        assign({1: 1, 3: 3, 4: -1}, 4)
+
+
+def test_spare_ranks_setting() -> None:
+    assert spare_ranks({}) is None
+    assert spare_ranks({SPARES_ENV: " 2 "}) == 2
+    assert spare_ranks({SPARES_ENV: "0"}) == 0
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(ConfigError, match=SPARES_ENV):
+            spare_ranks({SPARES_ENV: bad})
+
+
+def test_in_job_launch_line_and_environment() -> None:
+    mpi = MpiexecLauncher(path="/x/mpiexec", flavor=OPENMPI).in_job(2)
+    argv = mpi.command(4, ["python", "train.py"])
+    assert argv[:1] == ["/x/mpiexec"]
+    assert "--with-ft" in argv and argv[argv.index("--with-ft") + 1] == "ulfm"
+    assert argv[argv.index("btl") + 1] == "tcp,self"        # shared memory hangs survivors
+    assert argv[argv.index("-n") + 1] == "6"                 # 4 working ranks + 2 spares
+    assert mpi.environ({})[SPARES_ENV] == "2"
+    plain = MpiexecLauncher(path="/x/mpiexec", flavor=OPENMPI)
+    assert "--with-ft" not in plain.command(4, ["python", "t.py"])
+    assert SPARES_ENV not in plain.environ({})
+    with pytest.raises(LaunchError, match="Open MPI 5 with ULFM"):
+        MpiexecLauncher(path="/x/mpiexec", flavor=MPICH).in_job(1)
+
+
+@pytest.fixture
+def clean_flag() -> None:
+    flag._FLAG.__init__()       # type: ignore[misc]
+    yield
+    flag._FLAG.__init__()       # type: ignore[misc]
+
+
+def test_flag_trips_once_and_waits_end(clean_flag: None) -> None:
+    flag.check("idle")                                   # nothing known: no error
+    assert flag.trip("rank 3 died") and not flag.trip("echo")
+    assert flag.reason() == "rank 3 died" and flag.tripped_at() > 0
+    with pytest.raises(flag.PeerLost, match="phase x: a peer rank failed \\(rank 3 died\\)"):
+        flag.check("phase x")
+    flag.next_generation()
+    assert not flag.tripped() and flag.generation() == 1
+    assert flag.take_first_step() and not flag.take_first_step()
+    assert flag.last_failure_at() > 0
+
+
+def test_abandon_all_reaches_every_owned_object_even_after_an_error(clean_flag: None) -> None:
+    calls = []
+
+    class Owned:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        def abandon(self) -> None:
+            calls.append(self)
+            if self.fail:
+                raise RuntimeError("stuck")
+    a, b = Owned(True), Owned(False)
+    flag.own(a)                                         # not active: not registered
+    assert flag.abandon_all() == [] and calls == []
+    flag.activate()
+    flag.own(a)
+    flag.own(b)
+    assert flag.abandon_all() == ["RuntimeError: stuck"]
+    assert set(calls) == {a, b} and flag.abandon_all() == []
+
+
+def test_shut_down_wakes_a_reader_blocked_on_a_recorded_connection() -> None:
+    """A thread blocked in recv on a recorded connection returns at once when another
+    thread shuts the sockets down; sockets opened outside the recording stay usable."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    outside = socket.create_connection(("127.0.0.1", port))
+    outside_peer, _ = server.accept()
+    recorded = sockets.recording(lambda: socket.create_connection(("127.0.0.1", port)))
+    peer, _ = server.accept()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(recorded.recv(10)))
+    reader.start()
+    assert sockets.shut_down() == 1
+    reader.join(5)
+    assert not reader.is_alive() and got == [b""]       # end of file, not a hang
+    assert peer.recv(10) == b""                          # the peer sees it closed too
+    outside.sendall(b"ok")
+    assert outside_peer.recv(10) == b"ok"               # not recorded: untouched
+    assert sockets.shut_down() == 0                      # recorded sockets are forgotten
+    for s in (server, outside, outside_peer, recorded, peer):
+        s.close()
