@@ -36,6 +36,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -54,6 +55,8 @@ T = TypeVar("T")
 CONFIRM_S = 2.0
 #: shrink attempts when processes keep failing during a recovery
 REBUILD_TRIES = 3
+#: seconds MPI_Finalize may take after a recovery before the process is ended
+FINALIZE_S = 5.0
 
 
 def spare_ranks(env: Mapping[str, str] | None = None) -> int | None:
@@ -205,8 +208,8 @@ def _finish(gen: Any, watch: Any) -> None:
     After a recovery, MPI_Finalize may wait forever for the dead processes (Open MPI 5's
     finalize fence, open-mpi/ompi#11404: about half the runs here): logical rank 0 marks
     the attempt complete (``in_job.released`` in ``FTKIT_DONE_FILE``, which ``ftkit run``
-    takes as success whatever the launcher's exit status) and every process ends at
-    interpreter exit without MPI_Finalize (:func:`_exit_without_finalize`)."""
+    takes as success whatever the launcher's exit status) and every process bounds its
+    MPI_Finalize at interpreter exit (:func:`_bound_finalize`)."""
     from mpi4py import MPI
     with contextlib.suppress(MPI.Exception):
         gen.work.Barrier()
@@ -214,7 +217,7 @@ def _finish(gen: Any, watch: Any) -> None:
         _mark_released()
     watch.finish()
     if flag.generation():
-        atexit.register(_exit_without_finalize, gen.world)
+        atexit.register(_bound_finalize)
 
 
 def _mark_released() -> None:
@@ -226,17 +229,20 @@ def _mark_released() -> None:
         write_done(Path(done), record)
 
 
-def _exit_without_finalize(world: Any) -> None:
-    """At interpreter exit after a recovery: flush, wait for every process, end (status 0)
-    before mpi4py's MPI_Finalize (module doc of :func:`_finish`)."""
-    from mpi4py import MPI
+def _bound_finalize() -> None:
+    """At interpreter exit after a recovery: flush, then arm a SIGALRM (default action: the
+    kernel ends the process) of :data:`FINALIZE_S` seconds for mpi4py's MPI_Finalize, which
+    runs after this and holds the interpreter (no Python watchdog could run). A finalize
+    that completes ends the process normally first; one stuck in the fence waiting for the
+    dead processes (open-mpi/ompi#11404) is ended by the alarm — after MPI delivered what
+    the process sent (ending it at once instead drops messages still queued in MPI: a
+    peer then waits forever)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    with contextlib.suppress(MPI.Exception):
-        world.Barrier()
-    os._exit(0)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, FINALIZE_S)
 
 
 def fall_back(why: str, rank: int) -> None:
