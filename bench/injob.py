@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftkit.testing.procs import rank_processes
+
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "examples" / "toy_dp.py"
 
@@ -49,21 +51,6 @@ def _events(path: Path) -> list[dict[str, Any]]:
     except OSError:
         pass
     return out
-
-
-def _pid_of(cwd: Path, world_rank: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.readlink(f"/proc/{entry}/cwd") != str(cwd):
-                continue
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"OMPI_COMM_WORLD_RANK={world_rank}".encode() in env:
-            return int(entry)
-    return None
 
 
 def one_round(kind: str, ranks: int, steps: int, step: int, victim: int) -> dict[str, Any]:
@@ -84,7 +71,7 @@ def one_round(kind: str, ranks: int, steps: int, step: int, victim: int) -> dict
         deadline = time.monotonic() + 300
         while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
             if any(e["event"] == "commit" and e["step"] >= step for e in _events(events)):
-                pid = _pid_of(tmp, victim)
+                pid = rank_processes(tmp, [victim]).get(victim)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed_at = time.time()

@@ -470,7 +470,7 @@ class Checkpointer:
             self.level_last.update({name: snap.step for name in snap.levels})
             if injob.take_first_step():
                 self._emit("in-job-step", step=snap.step, generation=injob.generation(),
-                           since_failure=round(time.time() - injob.last_failure_at(), 6))
+                           since_detected=round(time.time() - injob.last_failure_at(), 6))
         raise_if_failed(out)
         if self.pfs is not None:
             self.flushes.schedule(snap.step if "pfs" in snap.levels else None, out.flush_busy)

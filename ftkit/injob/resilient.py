@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -90,7 +89,6 @@ class InJob:
         if self.n < 1:
             raise ConfigError(f"{SPARES_ENV}={spares} leaves no working rank in a world of "
                               f"{MPI.COMM_WORLD.Get_size()} processes")
-        self.process = MPI.COMM_WORLD.Get_rank()
         self._warmed = False
 
     def run(self, train: Callable[[Any], T]) -> T | None:
@@ -112,6 +110,8 @@ class InJob:
                     return result
             elif self._idle(watch):
                 watch.join()
+                if flag.generation():       # an idle spare's finalize hangs as well
+                    atexit.register(_bound_finalize)
                 return None
             watch.alarm(flag.reason() or "training failed on this rank")
             _teardown()
@@ -198,7 +198,6 @@ def _teardown() -> None:
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            gc.collect()
 
 
 def _finish(gen: Any, watch: Any) -> None:

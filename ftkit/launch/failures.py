@@ -203,6 +203,9 @@ def _record_how(record: Mapping[str, Any]) -> str:
 
 
 def _short(how: str) -> str:
+    """``how`` on one line (an exception's text may hold newlines: gloo's do), cut to
+    :data:`SHORT` characters."""
+    how = " ".join(how.split())
     return how if len(how) <= SHORT else how[:SHORT - 5].rstrip() + " [...]"
 
 

@@ -48,7 +48,10 @@ class Result:
         return [r for r in self.json_lines() if r.get("event") == "start"]
 
     def attempt_lines(self) -> list[str]:
-        return [ln for ln in self.stdout.splitlines() if ln.startswith("ftkit run: attempt")]
+        """``ftkit run``'s attempt lines, also one that a rank's unterminated output (a
+        process killed mid-line) left in the middle of a line."""
+        head = "ftkit run: attempt"
+        return [head + ln.split(head, 1)[1] for ln in self.stdout.splitlines() if head in ln]
 
     def events(self, job: str = "e2e") -> list[dict[str, Any]]:
         return list(read_events(self.pfs / job / "events.jsonl"))

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ftkit.testing.procs import rank_processes
 from tests.e2e.jobs import Result, run_toy
 
 N, SPARES, STEPS = 4, 2, 40
@@ -39,26 +40,6 @@ def _events(path: Path) -> list[dict[str, Any]]:
             out.append(json.loads(line))
         except ValueError:
             pass                      # a line being written
-    return out
-
-
-def _pids(cwd: Path, world_ranks: list[int]) -> dict[int, int]:
-    """{world rank: pid} of this job's rank processes (they run in ``cwd``)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.readlink(f"/proc/{entry}/cwd") != str(cwd):
-                continue
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for var in env:
-            if var.startswith(b"OMPI_COMM_WORLD_RANK="):
-                rank = int(var.split(b"=", 1)[1])
-                if rank in world_ranks:
-                    out[rank] = int(entry)
     return out
 
 
@@ -95,7 +76,7 @@ class Killer(threading.Thread):
             self.error = repr(exc)
 
     def _kill(self, ranks: list[int]) -> None:
-        pids = _pids(self.tmp, ranks)
+        pids = rank_processes(self.tmp, ranks)
         assert sorted(pids) == sorted(ranks), (ranks, pids)
         for pid in pids.values():
             os.kill(pid, signal.SIGKILL)

@@ -47,9 +47,11 @@ def _node_losses(tmp: Path, levels: str, rank: int, chain: list[tuple[str, int]]
 @pytest.mark.timeout(900)
 def test_lost_node_rebuilt_from_partner(tmp_path: Path,
                                         reference_digest: Callable[..., str]) -> None:
-    """Node 1 lost four times, in four phases: each relaunch rebuilds ranks 2 and 3's
-    shards from their partner copies on node 0."""
-    chain = [("write-local", 3), ("encode", 4), ("commit", 6), ("between", 6)]
+    """Node 1 lost three times, in three phases: each relaunch rebuilds ranks 2 and 3's
+    shards from their partner copies on node 0. (A node lost between two saves, rebuilt
+    from partner copies: tests/e2e/test_hp_faults.py::test_lost_node_rebuilt_from_partner
+    and, in the running job, tests/e2e/test_in_job.py.)"""
+    chain = [("write-local", 3), ("encode", 4), ("commit", 6)]
     res, rebuilds = _node_losses(tmp_path, "local:1,partner:1", 2, chain)
     for rb in rebuilds:
         assert rb["nodes"] == ["node-1"], rb

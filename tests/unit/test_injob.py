@@ -1,10 +1,13 @@
 """In-job recovery's local parts: roles after a failure, the failure flag, the sockets shut
-down, the spare-rank setting and the ULFM launch line (the recovery itself:
-tests/e2e/test_in_job.py)."""
+down, the spare-rank setting, the ULFM launch line and the rank-process finder (the
+recovery itself: tests/e2e/test_in_job.py)."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,7 @@ from ftkit.injob import flag, sockets
 from ftkit.injob.membership import NotEnoughSpares, assign
 from ftkit.injob.resilient import spare_ranks
 from ftkit.launch.mpiexec import MPICH, OPENMPI, SPARES_ENV, MpiexecLauncher
+from ftkit.testing.procs import rank_processes
 
 
 def test_spares_take_the_failed_ranks_in_order() -> None:
@@ -128,3 +132,21 @@ def test_shut_down_wakes_a_reader_blocked_on_a_recorded_connection() -> None:
     assert sockets.shut_down() == 0                      # recorded sockets are forgotten
     for s in (server, outside, outside_peer, recorded, peer):
         s.close()
+
+
+def test_rank_processes_finds_a_job_by_directory_and_rank(tmp_path: Path) -> None:
+    """The helper tests and benchmarks kill ranks with: processes of this directory whose
+    ``OMPI_COMM_WORLD_RANK`` is asked for, nothing else."""
+    env = {**os.environ, "OMPI_COMM_WORLD_RANK": "3"}
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    procs = [subprocess.Popen(["sleep", "30"], cwd=cwd, env=env)
+             for cwd in (tmp_path, elsewhere)]
+    try:
+        assert rank_processes(tmp_path, [3]) == {3: procs[0].pid}
+        assert rank_processes(tmp_path, [2]) == {}
+        assert rank_processes(elsewhere, [3, 4]) == {3: procs[1].pid}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

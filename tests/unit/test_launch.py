@@ -748,3 +748,14 @@ def test_smoke_uncaught_exception_aborts_instead_of_hanging(job: Path) -> None:
     assert len(lines) == 1 and "failed (exit" in lines[0]
     assert "boom on rank 1" in proc.stderr
 
+
+
+def test_a_multi_line_exception_text_keeps_the_attempt_line_one_line() -> None:
+    """gloo's errors end with a newline: the reason of an attempt must not break its line
+    (a test counting attempt lines found one missing)."""
+    from ftkit.launch.failures import summary
+    text = summary({0: "killed by SIGKILL on node vm",
+                    3: "raised RuntimeError: [pair.cc:537] Read error\nGLHF!\n"})
+    assert "\n" not in text and "Read error GLHF!" in text
+    line = attempt_line(judge(0, 137, False, 1.0, 60, failed={3: "raised X:\nY\n"}), 3)
+    assert "\n" not in line and "raised X: Y" in line

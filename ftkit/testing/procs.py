@@ -1,0 +1,27 @@
+"""Find the rank processes of a running MPI job from outside (tests and benchmarks that
+kill ranks the way an operator or the OOM killer would; Linux ``/proc``)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def rank_processes(cwd: Path, world_ranks: list[int]) -> dict[int, int]:
+    """``{world rank: pid}`` of the processes that run in directory ``cwd`` (a job started
+    there) and whose ``OMPI_COMM_WORLD_RANK`` is one of ``world_ranks``. Local, read-only."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") != str(cwd):
+                continue
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for var in env:
+            if var.startswith(b"OMPI_COMM_WORLD_RANK="):
+                rank = int(var.split(b"=", 1)[1])
+                if rank in world_ranks:
+                    out[rank] = int(entry)
+    return out
