@@ -322,9 +322,6 @@ _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken p
 #: seconds a rank that failed only because a peer vanished waits before it aborts the job:
 #: the launcher reports the first death it sees, and it should be the peer's
 LOST_PEER_GRACE = 2.0
-#: seconds a helper thread's uncaught error waits, under in-job recovery, for the failure
-#: flag before it aborts the world (:func:`install_abort_hooks`)
-INJOB_CONFIRM_S = 2.0
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -362,7 +359,7 @@ def install_abort_hooks() -> None:
     def _abort(kind: str, exc_type: Any, exc: Any, tb: Any) -> None:
         rank = MPI.COMM_WORLD.Get_rank()
         if kind != "main thread" and injob.active() and (
-                isinstance(exc, injob.PeerLost) or injob.wait(INJOB_CONFIRM_S)):
+                isinstance(exc, injob.PeerLost) or injob.confirm()):
             # the echo of a peer's death in a helper thread: in-job recovery handles it
             log.info("rank %d: %s ended after a peer failed: %s", rank, kind, exc)
             return

@@ -80,6 +80,16 @@ def wait(timeout: float) -> bool:
     return _FLAG.event.wait(timeout)
 
 
+#: seconds an error that may be the echo of a peer's failure waits for the watcher to confirm
+#: one before it counts as the error it is (ULFM reports a death within ~0.3 s here)
+CONFIRM_S = 2.0
+
+
+def confirm() -> bool:
+    """Whether a failure is known, or becomes known within :data:`CONFIRM_S` (blocks)."""
+    return _FLAG.event.wait(CONFIRM_S)
+
+
 def check(what: str, generation: int | None = None) -> None:
     """Raise :class:`PeerLost` when a failure is known, or when the caller belongs to an
     earlier ``generation`` (a thread of an abandoned Checkpointer: its peers are gone).

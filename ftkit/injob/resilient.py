@@ -49,9 +49,6 @@ from ftkit.launch.mpiexec import SPARES_ENV
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: seconds an error of ``train`` waits for the watcher to confirm a peer's failure before
-#: it is taken as the training code's own error (ULFM reports a death within ~0.3 s)
-CONFIRM_S = 2.0
 #: shrink attempts when processes keep failing during a recovery
 REBUILD_TRIES = 3
 #: seconds MPI_Finalize may take after a recovery before the process is ended
@@ -167,7 +164,7 @@ class InJob:
 def _peer_failure(exc: BaseException) -> bool:
     """Is ``exc`` (raised by ``train``) the echo of a peer's failure? Yes when the flag is
     tripped, MPI reports a failed process, or a torch collective lost its peer; else the
-    watcher gets :data:`CONFIRM_S` to confirm one."""
+    watcher gets :data:`~ftkit.injob.flag.CONFIRM_S` to confirm one."""
     from ftkit.comm.dist import lost_peer
     from ftkit.injob.watch import is_failure
     if flag.tripped():
@@ -175,7 +172,7 @@ def _peer_failure(exc: BaseException) -> bool:
     if is_failure(exc) or isinstance(exc, flag.PeerLost) or lost_peer(exc):
         flag.trip(f"{type(exc).__name__}: {str(exc)[:200]}")
         return True
-    return flag.wait(CONFIRM_S)
+    return flag.confirm()
 
 
 def _warm() -> None:
