@@ -1,9 +1,10 @@
 """In-job recovery against a relaunch: time from a rank's death to the first training step
-committed again, the toy example, same ranks, alternating rounds.
+committed again, same example, same ranks, alternating rounds.
 
-    python bench/injob.py [--ranks 8] [--repeat 5] [--steps 40] [--out DIR]
+    python bench/injob.py [--example toy|hp_gpt] [--ranks 8] [--repeat 5] [--steps 40] [--out DIR]
 
-Every round is one real job of ``examples/toy_dp.py`` on ``--ranks`` working ranks in
+Every round is one real job of the example (``examples/toy_dp.py``, or ``examples/hp_gpt.py``
+as dp2 x tp2 x pp2 at 8 ranks: dp is ``ranks / 4``) on ``--ranks`` working ranks in
 virtual nodes of 2 (``FTKIT_LEVELS=local:1,partner:1``, node-local directories in a private
 temporary directory), killed from outside: once step ``K`` (random, 8..steps-10) is
 committed (``commit`` event), the benchmark SIGKILLs one random working rank's process and
@@ -15,7 +16,7 @@ notes the wall clock. Two kinds of round, alternating:
   attempt 1 (new mpiexec, interpreters, torch, MPI, gloo, restore, one step).
 
 Both figures include the step trained again after the restore. Prints the median, min and
-max of each and their ratio; writes ``injob.json``. Every round must end with the same
+max of each and their ratio; writes ``injob.json`` (``injob_hp_gpt.json`` for hp_gpt). Every round must end with the same
 digest as the others (else the benchmark fails).
 """
 from __future__ import annotations
@@ -37,7 +38,17 @@ from typing import Any
 from ftkit.testing.procs import rank_processes
 
 REPO = Path(__file__).resolve().parents[1]
-TOY = REPO / "examples" / "toy_dp.py"
+EXAMPLES = REPO / "examples"
+
+
+def example_command(example: str, ranks: int, steps: int) -> list[str]:
+    """The training command of one round (seeded: every round trains the same steps)."""
+    if example == "toy":
+        return [str(EXAMPLES / "toy_dp.py"), "--steps", str(steps), "--seed", "1"]
+    if ranks % 4:
+        raise SystemExit(f"hp_gpt runs tp2 x pp2: --ranks {ranks} is not a multiple of 4")
+    return [str(EXAMPLES / "hp_gpt.py"), "--dp", str(ranks // 4), "--tp", "2", "--pp", "2",
+            "--steps", str(steps), "--seed", "3"]
 
 
 def _events(path: Path) -> list[dict[str, Any]]:
@@ -53,7 +64,8 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def one_round(kind: str, ranks: int, steps: int, step: int, victim: int) -> dict[str, Any]:
+def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
+              victim: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=f"ftkit-injob-{kind}-"))
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FTKIT_")}
@@ -63,7 +75,7 @@ def one_round(kind: str, ranks: int, steps: int, step: int, victim: int) -> dict
         extra = ["--in-job", "--spares", "2"] if kind == "in_job" else ["--max-restarts", "1"]
         cmd = [sys.executable, "-m", "ftkit.cli.main", "run", "-n", str(ranks),
                "--ranks-per-node", "2", "--restart-delay", "0", "--attempt-timeout", "300",
-               *extra, "--", sys.executable, str(TOY), "--steps", str(steps), "--seed", "1"]
+               *extra, "--", sys.executable, *example_command(example, ranks, steps)]
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         events = tmp / "pfs" / "bench" / "events.jsonl"
@@ -95,6 +107,7 @@ def one_round(kind: str, ranks: int, steps: int, step: int, victim: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--example", choices=("toy", "hp_gpt"), default="toy")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
@@ -106,8 +119,8 @@ def main() -> None:
     rounds = []
     for i in range(args.repeat):
         for kind in (("in_job", "relaunch") if i % 2 == 0 else ("relaunch", "in_job")):
-            r = one_round(kind, args.ranks, args.steps, rng.randrange(8, args.steps - 10),
-                          rng.randrange(args.ranks))
+            r = one_round(kind, args.example, args.ranks, args.steps,
+                          rng.randrange(8, args.steps - 10), rng.randrange(args.ranks))
             print(f"round {i} {kind}: {r['seconds']:.3f} s (rank {r['victim']} killed "
                   f"after step {r['step']})", flush=True)
             rounds.append(r)
@@ -121,10 +134,13 @@ def main() -> None:
         print(f"{kind}: failure -> first step again: median {statistics.median(xs):.3f} s "
               f"(min {min(xs):.3f}, max {max(xs):.3f}, n {len(xs)})")
     ratio = summary["relaunch"]["median_s"] / summary["in_job"]["median_s"]
-    print(f"relaunch / in-job (medians): {ratio:.1f}x; {args.ranks} working ranks, seed {seed}")
+    print(f"relaunch / in-job (medians): {ratio:.1f}x; {args.example}, {args.ranks} working "
+          f"ranks, seed {seed}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "injob.json").write_text(json.dumps(
-        {"ranks": args.ranks, "spares": 2, "seed": seed, "rounds": rounds,
+    name = "injob.json" if args.example == "toy" else f"injob_{args.example}.json"
+    (args.out / name).write_text(json.dumps(
+        {"example": args.example, "ranks": args.ranks, "spares": 2, "seed": seed,
+         "rounds": rounds,
          "summary": summary, "relaunch_over_in_job": ratio}, indent=2))
 
 
