@@ -90,6 +90,7 @@ class Config:
     ranks_per_node: int = 0          # 0 = detect real nodes
     async_: bool = True
     timeout: float = 120.0
+    heartbeat: float = 30.0          # in-job: a process silent this long is ended; 0 = off
     faults: str = ""
     attempt: int = 0
     log_level: str = "WARNING"
@@ -126,6 +127,9 @@ class Config:
             raise ConfigError(f"FTKIT_TIMEOUT: must be a number of seconds in "
                               f"[{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}] (1 s to 7 days), "
                               f"got {self.timeout}")
+        if not (self.heartbeat == 0 or MIN_TIMEOUT <= self.heartbeat <= MAX_TIMEOUT):
+            raise ConfigError(f"FTKIT_HEARTBEAT: must be 0 (off) or a number of seconds in "
+                              f"[{MIN_TIMEOUT:g}, {MAX_TIMEOUT:g}], got {self.heartbeat}")
         if self.attempt < 0:
             raise ConfigError(f"FTKIT_ATTEMPT: must be >= 0, got {self.attempt}")
         if self.log_level.upper() not in LOG_LEVELS:
@@ -258,6 +262,7 @@ _KEYS = {
     "JOB": "job", "LOCAL_DIR": "local_dir", "PFS_DIR": "pfs_dir", "LEVELS": "levels",
     "XOR_SET": "xor_set", "RS_SET": "rs_set", "RS_PARITY": "rs_parity", "PFS_KEEP": "pfs_keep",
     "RANKS_PER_NODE": "ranks_per_node", "ASYNC": "async_", "TIMEOUT": "timeout",
+    "HEARTBEAT": "heartbeat",
     "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level", "START": "start",
     "PFS_BACKPRESSURE": "pfs_backpressure", "PFS_FILES": "pfs_files",
 }

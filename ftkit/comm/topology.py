@@ -107,7 +107,7 @@ class Topology:
         world, rank = comm.Get_size(), comm.Get_rank()
         try:
             check_launcher(os.environ, MPI.COMM_WORLD.Get_size())
-            dp, ranks_per_node = check_shape(world, tp, pp), _ranks_per_node(ranks_per_node)
+            dp, ranks_per_node = check_shape(world, tp, pp), ranks_per_node_setting(ranks_per_node)
         except ConfigError as exc:
             record_fatal(exc, rank)
             raise
@@ -166,7 +166,7 @@ class Topology:
                 pass
 
 
-def _ranks_per_node(given: int | None) -> int:
+def ranks_per_node_setting(given: int | None) -> int:
     """``given``, else ``$FTKIT_RANKS_PER_NODE``; 0 means real nodes. ConfigError if invalid."""
     if given is None:
         env = os.environ.get("FTKIT_RANKS_PER_NODE", "")

@@ -5,7 +5,8 @@ Without in-job recovery (``FTKIT_SPARE_RANKS`` unset) it is ``train(MPI.COMM_WOR
 With it, the job's processes are N working ranks and K spares (the last K of
 ``MPI_COMM_WORLD``), started by ``mpiexec --with-ft ulfm``:
 
-1. every process starts a watcher (:mod:`ftkit.injob.watch`); the working ranks call
+1. every process starts a watcher (:mod:`ftkit.injob.watch`; with the heartbeat ring of
+   :mod:`ftkit.injob.heartbeat`, which ends a process that hangs); the working ranks call
    ``train(comm)`` with a communicator of the N working ranks, the spares wait, idle;
 2. a rank dies: ULFM tells the watchers, which revoke the communicators; every wait of
    ftkit ends with :class:`~ftkit.injob.flag.PeerLost`, a torch collective with the lost
@@ -15,7 +16,9 @@ With it, the job's processes are N working ranks and K spares (the last K of
    close, so a peer still blocked in a torch collective errors out too), shrink the world
    and give the failed ranks' places to spares (:mod:`ftkit.injob.membership`);
 4. the working ranks call ``train(comm)`` again on the new communicator: same rank numbers,
-   same grid, same (virtual) nodes. ``train`` restores as after a relaunch: survivors read
+   same grid, same (virtual) nodes (a node's ranks stay on one host: when the failed
+   rank's host has no spare, its whole node moves to a spare host, see
+   :mod:`ftkit.injob.membership`). ``train`` restores as after a relaunch: survivors read
    their node-local copies, a spare on a lost node's place gets its shard rebuilt from the
    partner/XOR/RS copies of the other nodes.
 
@@ -87,6 +90,8 @@ class InJob:
             raise ConfigError(f"{SPARES_ENV}={spares} leaves no working rank in a world of "
                               f"{MPI.COMM_WORLD.Get_size()} processes")
         self._warmed = False
+        from ftkit.config import Config
+        self.heartbeat = Config.load().heartbeat
 
     def run(self, train: Callable[[Any], T]) -> T | None:
         from ftkit.injob import membership, sockets
@@ -95,7 +100,7 @@ class InJob:
         sockets.install()
         gen = membership.first_generation(self.n)
         while True:
-            watch = Watch(gen.world, gen.work)
+            watch = Watch(gen.world, gen.work, gen.logical, self.heartbeat)
             if gen.logical >= 0:
                 try:
                     ok, result = self._train(train, gen.work)
@@ -266,11 +271,13 @@ def _event(rebuilt: Any, old: Any) -> None:
         append_event(cfg.events_path, "in-job", job=cfg.job, attempt=cfg.attempt, rank=0,
                      generation=flag.generation() + 1, reason=flag.reason(),
                      failed=a.failed, replaced={str(k): v for k, v in a.replaced.items()},
-                     spares_left=a.spares_left, detected=flag.tripped_at(),
+                     moved=a.moved, spares_left=a.spares_left, detected=flag.tripped_at(),
                      recovered=time.time(),
                      **{k: round(v, 6) for k, v in rebuilt.timings.items()})
     except (OSError, FtkitError) as exc:
         log.warning("in-job: cannot record the recovery: %s", exc)
+    moved = (f"; rank(s) {a.moved} moved with their node (their processes are spares now)"
+             if a.moved else "")
     print(f"ftkit: in-job recovery: rank(s) {a.failed} failed ({flag.reason()}); "
-          f"taken over by spare process(es) {list(a.replaced.values())}; "
+          f"taken over by spare process(es) {list(a.replaced.values())}{moved}; "
           f"{a.spares_left} spare(s) left", file=sys.stderr, flush=True)

@@ -9,17 +9,20 @@ communicator, so every survivor and every spare learns of the failure within mil
 whatever it is blocked in. A message with :data:`DONE` ends the watch of a job that finished.
 
 The receive is polled with ``MPI_Test`` every :data:`POLL_S` seconds: a blocking wait would
-spin a core per process (Open MPI's progress loop).
+spin a core per process (Open MPI's progress loop). The same loop keeps the heartbeat ring
+(:mod:`ftkit.injob.heartbeat`) that ends a process which hangs instead of dying.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
+import time
 
 from mpi4py import MPI
 
-from ftkit.injob import flag, sockets
+from ftkit.injob import flag, heartbeat, sockets
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +51,23 @@ def revoke(comm: MPI.Comm | None) -> None:
 
 class Watch:
     """Watch ``world`` for failures until :meth:`finish` or a failure. Every process of
-    ``world`` starts one per generation (local; the DONE message comes from rank 0)."""
+    ``world`` starts one per generation at the same point (it builds the heartbeat ring
+    with its neighbours when ``heartbeat`` > 0: the deadline in seconds; the DONE message
+    comes from rank 0)."""
 
-    def __init__(self, world: MPI.Comm, work: MPI.Comm | None) -> None:
+    def __init__(self, world: MPI.Comm, work: MPI.Comm | None, logical: int = -1,
+                 heartbeat_s: float = 0.0) -> None:
         self.world, self.work = world, work
         self.done = threading.Event()          # ended by DONE (the job finished)
         self._buf = bytearray(1)
         self._req = world.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG)
+        self.ring: heartbeat.Ring | None = None
+        if heartbeat_s > 0 and world.Get_size() > 1:
+            try:
+                self.ring = heartbeat.Ring(world, logical, heartbeat_s, time.monotonic())
+            except MPI.Exception as exc:     # a neighbour failed already
+                flag.trip(f"MPI reports a failed process while the heartbeat ring was "
+                          f"built (error class {exc.Get_error_class()})")
         self._thread = threading.Thread(target=self._run, name="ftkit-watch", daemon=True)
         self._thread.start()
 
@@ -63,7 +76,13 @@ class Watch:
             while not flag.tripped():
                 if self._req.Test():         # only DONE is ever sent on TAG
                     self.done.set()
+                    if self.ring is not None:
+                        self.ring.close()
                     return
+                if self.ring is not None:
+                    silent = self.ring.poll(time.monotonic())
+                    if silent is not None:
+                        self._hung(self.ring, silent)
                 flag.wait(POLL_S)
         except MPI.Exception as exc:
             why = ("the world was revoked by a peer" if exc.Get_error_class() ==
@@ -71,6 +90,20 @@ class Watch:
                    f"(error class {exc.Get_error_class()})")
             flag.trip(why)
         self.alarm(flag.reason())
+
+    def _hung(self, ring: heartbeat.Ring, silent: float) -> None:
+        """The predecessor sent no heartbeat within the deadline: end it (ULFM then reports
+        its death) and trip the flag; when it runs on another machine, fall back to a
+        relaunch. Watcher thread."""
+        why = (f"{ring.peer.describe()} sent no heartbeat for {silent:.1f} s "
+               f"(FTKIT_HEARTBEAT={ring.deadline:g})")
+        ended = heartbeat.end(ring.peer, ring.me)
+        _hung_event(ring, silent, ended)
+        if not ended:
+            from ftkit.injob.resilient import fall_back
+            fall_back(f"{why}, and it runs on another machine: it cannot be ended from "
+                      f"here", ring.me.logical)
+        flag.trip(f"{why}: ended (SIGKILL)")
 
     def alarm(self, why: str) -> None:
         """Trip the flag (if not yet), revoke the world and working communicators and shut
@@ -93,3 +126,22 @@ class Watch:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+
+def _hung_event(ring: heartbeat.Ring, silent: float, ended: bool) -> None:
+    """Record a hung process (``hung`` event) and say so on stderr. Never raises."""
+    from ftkit.config import Config
+    from ftkit.errors import FtkitError
+    from ftkit.events import append_event
+    peer = ring.peer
+    try:
+        cfg = Config.load()
+        append_event(cfg.events_path, "hung", job=cfg.job, attempt=cfg.attempt,
+                     rank=peer.logical, process=peer.process, pid=peer.pid,
+                     silent_s=round(silent, 3), deadline_s=ring.deadline, ended=ended,
+                     by=ring.me.logical, by_process=ring.me.process)
+    except (OSError, FtkitError) as exc:
+        log.warning("in-job: cannot record the hung process: %s", exc)
+    print(f"ftkit: in-job: {peer.describe()} sent no heartbeat for {silent:.1f} s: "
+          f"{'ended (SIGKILL)' if ended else 'on another machine, cannot end it'}",
+          file=sys.stderr, flush=True)

@@ -4,8 +4,9 @@ bit-exact; more failures than spares fall back to a relaunch that ends bit-exact
 
 The toy runs on 4 working ranks in virtual nodes of 2 plus 2 spares under
 ``mpiexec --with-ft ulfm`` (Open MPI 5). A killer thread watches the job's event log and
-sends SIGKILL to a rank's process (found by its ``OMPI_COMM_WORLD_RANK`` and working
-directory) once the job committed the chosen step in the current generation."""
+sends SIGKILL (or SIGSTOP: a hung rank) to a rank's process (found by its
+``OMPI_COMM_WORLD_RANK`` and working directory) once the job committed the chosen step in
+the current generation."""
 from __future__ import annotations
 
 import json
@@ -48,10 +49,10 @@ class Killer(threading.Thread):
     previous kill's recovery (its ``in-job-step`` event); ``wipe``: also remove that node's
     local directory right after its ranks died (a lost node)."""
 
-    def __init__(self, tmp: Path, plan: list[tuple[int, list[int]]], wipe: int | None = None
-                 ) -> None:
+    def __init__(self, tmp: Path, plan: list[tuple[int, list[int]]], wipe: int | None = None,
+                 sig: int = signal.SIGKILL) -> None:
         super().__init__(daemon=True)
-        self.tmp, self.plan, self.wipe = tmp, plan, wipe
+        self.tmp, self.plan, self.wipe, self.sig = tmp, plan, wipe, sig
         self.killed: list[tuple[int, dict[int, int], float]] = []
         self.error: str | None = None
 
@@ -79,7 +80,7 @@ class Killer(threading.Thread):
         pids = rank_processes(self.tmp, ranks)
         assert sorted(pids) == sorted(ranks), (ranks, pids)
         for pid in pids.values():
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, self.sig)
         if self.wipe is not None:      # a lost node: its memory goes with its processes,
             # before the spares that take its ranks' places can start (recovery takes
             # a few hundred ms; this, a few)
@@ -161,5 +162,36 @@ def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result) 
     rebuilt = [e for e in events if e["event"] == "rebuild"]
     assert rebuilt and rebuilt[0]["nodes"] == ["node-1"], rebuilt
     assert rebuilt[0]["from_partner"] == [2, 3], rebuilt
+    assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
+    _check_bitexact(res, reference)
+
+
+def test_hung_rank_is_ended_by_the_heartbeat_and_replaced_in_job(
+        tmp_path: Path, reference: Result) -> None:
+    """A working rank stopped (SIGSTOP: alive to MPI, silent) at a random step: the next
+    process hears no heartbeat for FTKIT_HEARTBEAT seconds, kills it (``hung`` event naming
+    the rank), a spare takes its place in the running job, and training ends bit-exact in
+    the first mpiexec."""
+    rng = random.Random()
+    step, victim = rng.randrange(5, 30), rng.randrange(N)
+    print(f"stop world rank {victim} after step {step}")
+    killer = Killer(tmp_path, [(step, [victim])], sig=signal.SIGSTOP)
+    killer.start()
+    try:
+        res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=0, run_args=IN_JOB,
+                      FTKIT_LEVELS=LEVELS, FTKIT_HEARTBEAT="4")
+    finally:
+        for pid in rank_processes(tmp_path, [victim]).values():   # never leave it stopped
+            os.kill(pid, signal.SIGKILL)
+    killer.join(5)
+    assert killer.error is None and len(killer.killed) == 1, killer.error
+    assert res.rc == 0, res.tail()
+    events = res.events()
+    [hung] = [e for e in events if e["event"] == "hung"]
+    assert (hung["rank"], hung["process"], hung["ended"]) == (victim, victim, True), hung
+    assert hung["by_process"] == (victim + 1) % (N + SPARES), hung
+    assert hung["silent_s"] >= 4, hung    # rounded to ms
+    [rec] = [e for e in events if e["event"] == "in-job"]
+    assert rec["failed"] == [victim] and rec["replaced"] == {str(victim): N}, rec
     assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
     _check_bitexact(res, reference)

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,41 @@ def test_more_failures_than_spares_is_refused_naming_them() -> None:
     with pytest.raises(NotEnoughSpares, match=r"2 working rank\(s\) failed \(0, 2\) and 1 "
                                               r"spare"):
         assign({1: 1, 3: 3, 4: -1}, 4)
+
+
+def test_a_failed_rank_is_taken_on_its_nodes_host() -> None:
+    # virtual nodes of 2 on one machine: the spare there takes rank 2, node 1's rank 3 stays
+    hosts = {p: "vm" for p in range(6)}
+    got = assign({0: 0, 1: 1, 3: 3, 4: -1, 5: -1}, 4, hosts, [0, 0, 1, 1],
+                 {lr: lr for lr in range(4)})
+    assert got.replaced == {2: 4} and got.moved == [] and got.spares_left == 1
+
+
+SLURM_HOSTS = {0: "n1", 1: "n1", 2: "n2", 3: "n2", 4: "n3", 5: "n3"}     # n3: a spare node
+
+
+def test_a_node_whose_host_has_no_spare_moves_whole_to_a_spare_host() -> None:
+    # rank 3's process died on n2 (no spare there): node 1 moves to n3, rank 2's live
+    # process becomes a spare
+    got = assign({0: 0, 1: 1, 2: 2, 4: -1, 5: -1}, 4, SLURM_HOSTS, [0, 0, 1, 1],
+                 {lr: lr for lr in range(4)})
+    assert got.failed == [3] and got.moved == [2]
+    assert got.replaced == {2: 4, 3: 5}
+    assert got.roles == {0: 0, 1: 1, 2: -1, 4: 2, 5: 3}
+    assert got.spares_left == 1
+
+
+def test_a_lost_node_goes_to_the_spare_host() -> None:
+    got = assign({0: 0, 1: 1, 4: -1, 5: -1}, 4, SLURM_HOSTS, [0, 0, 1, 1],
+                 {lr: lr for lr in range(4)})
+    assert got.failed == [2, 3] and got.moved == [] and got.replaced == {2: 4, 3: 5}
+
+
+def test_spares_split_over_hosts_cannot_take_a_node() -> None:
+    hosts = {**SLURM_HOSTS, 5: "n4"}
+    with pytest.raises(NotEnoughSpares, match="not 2 on one host for node 1"):
+        assign({0: 0, 1: 1, 4: -1, 5: -1}, 4, hosts, [0, 0, 1, 1],
+               {lr: lr for lr in range(4)})
 
 
 def test_spare_ranks_setting() -> None:
@@ -143,6 +179,11 @@ def test_rank_processes_finds_a_job_by_directory_and_rank(tmp_path: Path) -> Non
     procs = [subprocess.Popen(["sleep", "30"], cwd=cwd, env=env)
              for cwd in (tmp_path, elsewhere)]
     try:
+        for p in procs:             # exec'd, and its environment set up (exec sets that
+            deadline = time.monotonic() + 30    # last: the file reads empty before)
+            while not (os.readlink(f"/proc/{p.pid}/exe").endswith("sleep")
+                       and Path(f"/proc/{p.pid}/environ").read_bytes()):
+                assert time.monotonic() < deadline, "sleep never started"
         assert rank_processes(tmp_path, [3]) == {3: procs[0].pid}
         assert rank_processes(tmp_path, [2]) == {}
         assert rank_processes(elsewhere, [3, 4]) == {3: procs[1].pid}
