@@ -16,8 +16,9 @@ notes the wall clock. Two kinds of round, alternating:
   attempt 1 (new mpiexec, interpreters, torch, MPI, gloo, restore, one step).
 
 Both figures include the step trained again after the restore. Prints the median, min and
-max of each and their ratio; writes ``injob.json`` (``injob_hp_gpt.json`` for hp_gpt). Every round must end with the same
-digest as the others (else the benchmark fails).
+max of each and their ratio; writes ``injob.json`` (``injob_hp_gpt.json`` for hp_gpt). Every
+round must print the same loss at every step (a step trained again included) and end with
+the same digest as the others (else the benchmark fails).
 """
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _losses(out: str) -> dict[int, float]:
+    """Every printed loss by step; a step trained again after the recovery must print the
+    loss it printed before (else the benchmark fails)."""
+    seen: dict[int, float] = {}
+    for line in out.splitlines():
+        if line.startswith('{"event": "step"'):
+            rec = json.loads(line)
+            if seen.setdefault(rec["step"], rec["loss"]) != rec["loss"]:
+                raise SystemExit(f"step {rec['step']} printed two losses: "
+                                 f"{seen[rec['step']]} and {rec['loss']}")
+    return seen
+
+
 def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
               victim: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix=f"ftkit-injob-{kind}-"))
@@ -100,7 +114,8 @@ def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
         digest = [json.loads(ln)["digest"] for ln in out.splitlines()
                   if ln.startswith('{"event": "done"')][-1]
         return {"kind": kind, "step": step, "victim": victim,
-                "seconds": round(back[0] - killed_at, 3), "digest": digest}
+                "seconds": round(back[0] - killed_at, 3), "digest": digest,
+                "losses": _losses(out)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -126,6 +141,10 @@ def main() -> None:
             rounds.append(r)
     if len({r["digest"] for r in rounds}) != 1:
         raise SystemExit(f"digests differ between rounds: {rounds}")
+    if any(r["losses"] != rounds[0]["losses"] for r in rounds):
+        raise SystemExit("printed losses differ between rounds")
+    for r in rounds:
+        del r["losses"]
     summary: dict[str, Any] = {}
     for kind in ("in_job", "relaunch"):
         xs = [r["seconds"] for r in rounds if r["kind"] == kind]

@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                         "of requeueing (ftkit run --shrink; needs a pfs level)")
     p.add_argument("--shrink-multiple", type=positive, default=1, metavar="M",
                    help="with --shrink: the rank count stays a multiple of M (e.g. tp*pp)")
+    p.add_argument("--in-job", action="store_true",
+                   help="in-job recovery (ftkit run --in-job): the spare nodes hold spare "
+                        "ranks that take a failed node's place in the running job")
     p.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="a shell line run first, verbatim (module load ..., source "
                         "venv/bin/activate); repeatable")
@@ -80,7 +83,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
                           partition=args.partition, account=args.account,
                           gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
                           exclusive=args.exclusive, local_dir=args.local_dir, env=tuple(env),
-                          setup=tuple(args.setup))
+                          setup=tuple(args.setup), in_job=args.in_job)
     except LaunchError as exc:
         print(f"ftkit sbatch: error: {exc}", file=sys.stderr)
         return 2

@@ -160,10 +160,29 @@ class InJob:
             fall_back(f"processes kept failing during {REBUILD_TRIES} recoveries",
                       gen.logical)
         new = rebuilt.generation
+        if gen.logical >= 0 and new.logical < 0:
+            _leave_node(gen, rebuilt.assignment.moved)
         if new.logical == 0:
             _event(rebuilt, gen)
         flag.next_generation()
         return new
+
+
+def _leave_node(old: Any, moved: list[int]) -> None:
+    """This process's rank moved with its node to another host; it is a spare now. The
+    lowest moved rank of the node removes the node's local directory on this host (nobody
+    reads it again). Local; never raises."""
+    from ftkit.config import Config
+    from ftkit.recovery.claim import remove_moved_node
+    node = old.node_of[old.logical]
+    if old.logical != min(lr for lr in moved if old.node_of[lr] == node):
+        return
+    try:
+        cfg = Config.load()
+    except FtkitError as exc:
+        log.warning("in-job: cannot remove node %d's local copies: %s", node, exc)
+        return
+    remove_moved_node(cfg, cfg.node_dir(node, os.environ.get("SLURMD_NODENAME")))
 
 
 def _peer_failure(exc: BaseException) -> bool:

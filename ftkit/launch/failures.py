@@ -57,6 +57,8 @@ _OMPI_EXIT = re.compile(r"exited with non-zero status, .*? Process name: (\S+) E
 _OMPI_CALLED_ABORT = re.compile(r"has exited due to process rank (\d+) with PID \d+ on node "
                                 r"(\S+) calling \"?abort")
 _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
+_OMPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon\. .*?Remote daemon: "
+                               r"\S+ on node (\S+)")
 
 
 def signame(signum: int) -> str:
@@ -104,6 +106,7 @@ class LauncherScan:
 
     def __init__(self) -> None:
         self.found: dict[int, str] = {}
+        self.lost_nodes: list[str] = []      # nodes whose MPI runtime daemon was lost
         self._lines: collections.deque[str] = collections.deque(maxlen=WINDOW)
 
     def feed(self, line: str) -> None:
@@ -112,7 +115,11 @@ class LauncherScan:
         if line.startswith("srun: error:"):
             hits = scan(self._lines[-1])          # one line each; never joined with the next
         else:
-            hits = scan(" ".join(self._lines))
+            window = " ".join(self._lines)
+            hits = scan(window)
+            for m in _OMPI_LOST_DAEMON.finditer(window):
+                if m.group(1) not in self.lost_nodes:
+                    self.lost_nodes.append(m.group(1))
         for rank, how in hits.items():
             self.found.setdefault(rank, how)
 
@@ -172,6 +179,15 @@ class StderrTee(threading.Thread):
         """The ranks found so far, after up to ``wait`` seconds for the pipe to end."""
         self.join(wait)
         return dict(self.scan.found)
+
+
+def lost_daemons_reason(nodes: Sequence[str]) -> str:
+    """What an attempt line adds when the MPI runtime lost the daemons of ``nodes`` (pure;
+    '' when none): Open MPI 5's runtime ends the whole job then, in-job recovery included."""
+    if not nodes:
+        return ""
+    return (f"the MPI runtime lost its daemon on node {', '.join(nodes)} (a failed node) and "
+            f"ended the whole job; in-job recovery cannot continue past a lost node")
 
 
 def explain(found: Mapping[int, str], records: Iterable[Mapping[str, Any]]) -> dict[int, str]:

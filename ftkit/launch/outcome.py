@@ -49,7 +49,7 @@ def stall_reason(seconds: float) -> str:
 def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
           interrupted: int | None = None, fatal: Mapping[str, Any] | None = None, *,
           stalled: float | None = None, failed: Mapping[int, str] | None = None,
-          released: bool = False) -> AttemptResult:
+          released: bool = False, lost: str = "") -> AttemptResult:
     """Turn what was observed into an :class:`AttemptResult` (pure).
 
     ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
@@ -59,7 +59,8 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
     (:func:`ftkit.launch.failures.explain`) names the ranks that took the attempt down.
     ``released``: the marker says the job finished after an in-job recovery and released
     every process (``in_job.released``): success whatever the launcher's status (its
-    processes end without MPI_Finalize then: ftkit.injob.resilient).
+    processes end without MPI_Finalize then: ftkit.injob.resilient). ``lost``: why the
+    MPI runtime ended the job itself (:func:`ftkit.launch.failures.lost_daemons_reason`).
     """
     failed = {} if failed is None else dict(failed)
     rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
@@ -79,6 +80,8 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
         reason, status, ok = f"exit {returncode}", returncode, False
     if failed and not ok:
         reason += f": {summary(failed)}"
+    if lost and not ok:
+        reason += f"; {lost}" if failed else f": {lost}"
     if interrupted is not None and not ok:
         reason, status = f"interrupted by {signame(interrupted)}", 128 + interrupted
     elif fatal is not None and not ok:

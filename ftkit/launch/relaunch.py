@@ -54,7 +54,7 @@ from ftkit.errors import LaunchError
 from ftkit.events import append_event, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
-from ftkit.launch.failures import StderrTee, explain, signame
+from ftkit.launch.failures import StderrTee, explain, lost_daemons_reason, signame
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_recurring, read_records
 from ftkit.launch.jobs import TIDY_ENV, tidy_line
 from ftkit.launch.mpiexec import MpiexecLauncher
@@ -115,11 +115,9 @@ def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
                               "(no SLURM_JOB_ID / SLURM_JOB_NODELIST)")
         if spec is None or cfg is None:
             raise LaunchError("the Slurm launcher needs the run's spec and configuration")
-        if spec.in_job:
-            raise LaunchError("--in-job runs under mpiexec only for now (srun starts no ULFM "
-                              "job): give --launcher mpiexec")
         return SlurmLauncher(mpi, senv, spec.n, spec.spares,
-                             cfg.job_pfs_dir / "slurm-slots.json", shrink=spec.shrink)
+                             cfg.job_pfs_dir / "slurm-slots.json", shrink=spec.shrink,
+                             in_job=spec.in_job)
     return mpi.in_job(spec.spares) if spec is not None and spec.in_job else mpi
 
 
@@ -380,7 +378,7 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     result = judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
                    interrupt.signum, fatal, failed=failed,
                    stalled=spec.stall_timeout if watch.why == "stall" else None,
-                   released=released)
+                   released=released, lost=lost_daemons_reason(tee.scan.lost_nodes))
     return dataclasses.replace(result, resumed=None if events is None
                                else restored_step(events, attempt))
 
@@ -462,6 +460,8 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    failed={str(r): how for r, how in result.failed.items()},
                    **_fatal_fields(result))
+            if (follow := getattr(launcher, "follow_in_job", None)) is not None:
+                follow()                        # Slurm: slots follow in-job node moves
             delay = restart_delay(attempt + 1, spec.restart_delay)
             print(attempt_line(result, spec.max_restarts, delay), file=out, flush=True)
             record = marker.read_marker(done) if result.ok else {}

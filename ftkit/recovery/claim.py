@@ -98,29 +98,46 @@ class JobClaim:
     def release(self, *, tidy: bool = False) -> None:
         """Give the locks back; with ``tidy`` a node leader first removes its node's local
         directory (module doc for the order). Local; never raises."""
-        remove = tidy and self.topo.is_node_leader and self.node_root.is_dir() \
-            and not self.node_root.is_symlink()
+        remove = tidy and self.topo.is_node_leader and _removable(self.node_root)
         if remove:
-            try:
-                for entry in sorted(os.listdir(self.node_root)):
-                    if entry != LOCK_FILE:
-                        remove_entry(self.node_root / entry)
-                remove_entry(self.node_root / LOCK_FILE)
-            except OSError as exc:
-                log.warning("cannot remove the node-local copies in %s: %s", self.node_root, exc)
+            _remove_contents(self.node_root)
         for lock in self._locks:
             lock.release()
         self._locks.clear()
         if remove:
-            self._remove_empty_dirs()
+            _remove_empty_dirs(self.node_root, Path(self.config.local_dir))
 
-    def _remove_empty_dirs(self) -> None:
-        """The node directory and its empty parents up to (not including) FTKIT_LOCAL_DIR."""
-        top = Path(self.config.local_dir)
-        path = self.node_root
-        while path != top and top in path.parents:
-            try:
-                path.rmdir()
-            except OSError:
-                return              # not empty (another node's or a new instance's), or gone
-            path = path.parent
+
+def remove_moved_node(config: Config, node_root: Path) -> None:
+    """In-job recovery moved this node's ranks to another host: remove what they left in
+    ``node_root`` on this one (nobody reads it again; the slots of a relaunch follow the
+    move). One process of the moved node on this host calls; local; never raises."""
+    if _removable(node_root):
+        _remove_contents(node_root)
+        _remove_empty_dirs(node_root, Path(config.local_dir))
+
+
+def _removable(node_root: Path) -> bool:
+    return node_root.is_dir() and not node_root.is_symlink()
+
+
+def _remove_contents(node_root: Path) -> None:
+    """Every entry of ``node_root``, the lock file last. Local; a warning on failure."""
+    try:
+        for entry in sorted(os.listdir(node_root)):
+            if entry != LOCK_FILE:
+                remove_entry(node_root / entry)
+        remove_entry(node_root / LOCK_FILE)
+    except OSError as exc:
+        log.warning("cannot remove the node-local copies in %s: %s", node_root, exc)
+
+
+def _remove_empty_dirs(node_root: Path, top: Path) -> None:
+    """``node_root`` and its empty parents up to (not including) ``top`` (FTKIT_LOCAL_DIR)."""
+    path = node_root
+    while path != top and top in path.parents:
+        try:
+            path.rmdir()
+        except OSError:
+            return              # not empty (another node's or a new instance's), or gone
+        path = path.parent

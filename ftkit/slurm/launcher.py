@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ftkit.errors import LaunchError
-from ftkit.launch.mpiexec import MpiexecLauncher, build_command, launch_env
+from ftkit.events import read_events
+from ftkit.launch.mpiexec import SPARES_ENV, ULFM_ARGS, MpiexecLauncher, build_command, launch_env
 from ftkit.slurm.env import SlurmEnv, compress_hostlist
 from ftkit.slurm.health import SlurmTools
 
@@ -57,8 +58,12 @@ class SlurmLauncher:
     name = "srun"
 
     def __init__(self, mpi: MpiexecLauncher, senv: SlurmEnv, n: int, spares: int,
-                 state_file: Path, tools: SlurmTools | None = None, shrink: int = 0) -> None:
+                 state_file: Path, tools: SlurmTools | None = None, shrink: int = 0,
+                 in_job: bool = False) -> None:
         self.mpi, self.senv, self.n, self.shrink = mpi, senv, n, shrink
+        if in_job:
+            mpi = mpi.in_job(0)                      # LaunchError unless Open MPI (ULFM)
+        self.in_job = in_job
         self.tools = tools or SlurmTools(senv.job_id)
         self.state_file = state_file
         nodes = list(senv.nodes)
@@ -71,19 +76,31 @@ class SlurmLauncher:
                               f"nodes ({len(nodes)} allocated, {spares} kept as spares)")
         self.per_node = n // self.slots_needed
         self.failed: dict[str, str] = {}
+        self.launched: list[str] = []
         self.slots = self._initial_slots(nodes)
         self._save()
 
     # ------------------------------------------------------------- Launcher API
     def command(self, n: int, cmd: Sequence[str]) -> list[str]:
-        hosts = ",".join(f"{node}:{self.per_node}" for node in self.slots)
-        return build_command(n, cmd, self.mpi.flavor, self.mpi.path,
-                             ("--host", hosts, "--map-by", "slot"), user=self.mpi.extra)
+        """``mpiexec --host slot:T,... --map-by slot``; in-job, the healthy spare nodes'
+        slots too (their ranks are the spare ranks) and ULFM on."""
+        nodes = self.slots + (self.spares() if self.in_job else [])
+        self.launched = nodes                   # process p runs on nodes[p // per_node]
+        hosts = ",".join(f"{node}:{self.per_node}" for node in nodes)
+        return build_command(n + self.spare_ranks(), cmd, self.mpi.flavor, self.mpi.path,
+                             ("--host", hosts, "--map-by", "slot",
+                              *(ULFM_ARGS if self.in_job else ())), user=self.mpi.extra)
+
+    def spare_ranks(self) -> int:
+        """In-job: a spare rank per slot of every healthy spare node; else 0."""
+        return len(self.spares()) * self.per_node if self.in_job else 0
 
     def environ(self, base: Mapping[str, str]) -> dict[str, str]:
         env = launch_env(base, self.mpi.flavor)
         env.setdefault("PMIX_SECURITY_MODE", "native")
         env["FTKIT_RANKS_PER_NODE"] = str(self.per_node)
+        if self.in_job:
+            env[SPARES_ENV] = str(self.spare_ranks())
         return env
 
     def describe(self) -> dict[str, object]:
@@ -95,7 +112,10 @@ class SlurmLauncher:
         return [n for n in self.senv.nodes if n not in self.slots and n not in self.failed]
 
     def after_failure(self) -> Recovery:
-        """Find failed nodes of the current slots, swap in spares, or ask for a requeue."""
+        """Find failed nodes of the current slots, swap in spares, or ask for a requeue.
+        In-job, the slots first follow the nodes that moved to spare nodes during the
+        attempt (:meth:`follow_in_job`)."""
+        self.follow_in_job()
         failed = self.tools.failed_nodes(self.slots)
         self.failed.update(failed)
         spares = self.spares()
@@ -113,6 +133,32 @@ class SlurmLauncher:
                 + ", ".join(f"{a}->{b}" for a, b in replaced.items())) if failed \
             else "no node failed (software failure): same nodes"
         return Recovery("relaunch", failed, replaced, what)
+
+    def follow_in_job(self) -> dict[int, str]:
+        """Slot k -> the node its ranks run on after the in-job recoveries of the last
+        attempt (``in-job`` events after its ``launch`` event: a logical rank taken by
+        process p runs on ``launched[p // per_node]``); the slots are updated and saved.
+        Returns the slots that moved."""
+        if not self.in_job or not self.launched:
+            return {}
+        recoveries: list[dict[str, object]] = []
+        for event in read_events(self.state_file.parent / "events.jsonl"):
+            if event.get("event") == "launch":
+                recoveries = []
+            elif event.get("event") == "in-job":
+                recoveries.append(event)
+        moved: dict[int, str] = {}
+        for event in recoveries:
+            replaced = event.get("replaced")
+            for rank, process in (replaced.items() if isinstance(replaced, dict) else ()):
+                slot, at = int(rank) // self.per_node, int(process) // self.per_node
+                if 0 <= slot < len(self.slots) and 0 <= at < len(self.launched):
+                    moved[slot] = self.launched[at]
+        moved = {k: node for k, node in moved.items() if self.slots[k] != node}
+        if moved:
+            self.slots = [moved.get(k, node) for k, node in enumerate(self.slots)]
+            self._save()
+        return moved
 
     def requeue(self) -> tuple[bool, str]:
         return self.tools.requeue()

@@ -39,6 +39,7 @@ class SbatchSpec:
     requeue: bool = True
     max_restarts: int = 3
     shrink: int = 0                     # ftkit run --shrink with this rank multiple (0: off)
+    in_job: bool = False                # ftkit run --in-job: spare nodes hold spare ranks
     partition: str | None = None
     account: str | None = None
     gpus_per_node: int | None = None     # --gpus-per-node; GPU ranks: one task per GPU
@@ -98,8 +99,8 @@ def render_sbatch(spec: SbatchSpec) -> str:
     shrink = (["--shrink"] + (["--shrink-multiple", str(spec.shrink)] if spec.shrink > 1
                               else [])) if spec.shrink else []
     run = [*spec.ftkit, "run", "--launcher", "auto", "-n", str(ranks), "--spares",
-           str(spec.spares), "--max-restarts", str(spec.max_restarts), *shrink, "--",
-           *spec.command]
+           str(spec.spares), "--max-restarts", str(spec.max_restarts), *shrink,
+           *(["--in-job"] if spec.in_job else []), "--", *spec.command]
     lines = ["#!/bin/bash",
              (f"# ftkit job: {ranks} ranks on {spec.nodes} nodes x {spec.tasks_per_node}, "
               f"{spec.spares} spare node(s)."),

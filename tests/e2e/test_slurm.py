@@ -4,9 +4,12 @@ rendered template.
 
 * A node dies mid-run (its slurmd and tasks killed, then marked DOWN as a real failure shows
   up): the job excludes it, relaunches on the spare, rebuilds from the partner level and ends
-  with the failure-free digest; events.jsonl names the failed node and the spare.
+  with the failure-free digest; events.jsonl names the failed node and the spare (run
+  ``--in-job``: the runtime cannot survive a lost node, so this is in-job's fallback too).
 * Two nodes die with one spare: ``scontrol requeue``; the requeued job resumes from the
   newest committed step and ends with the failure-free digest.
+* ``--in-job``: a rank dies and the spare node's waiting processes take its node's ranks'
+  places in the running job (no relaunch), rebuilt from the partner level, same digest.
 * No spare left and ``--shrink``: a node dies, the job goes on with 6 ranks on the 3 healthy
   nodes from the newest PFS step, resharded (events say so), instead of requeueing.
 * The time-limit signal: a final checkpoint on every level (PFS included); a later job
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +35,7 @@ import pytest
 
 from ftkit.events import read_events
 from ftkit.slurm.sbatch import SbatchSpec, render_sbatch
+from ftkit.testing.procs import rank_processes
 from tests.e2e.jobs import REPO, TOY, job_env, run_toy
 
 CLUSTER = REPO / "slurm" / "local-cluster.sh"
@@ -171,13 +176,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], str]:
 @pytest.mark.timeout(900)
 def test_node_failure_uses_spare(tmp_path: Path, healthy: None,
                                  reference: Callable[[int], str]) -> None:
-    job = Job(tmp_path, "ftkit-spare", steps=60, spares=1)
+    """A node dies: the job is relaunched with the spare node in its slot. The job runs
+    ``--in-job`` (the spare node holds spare ranks): Open MPI's runtime ends the whole job
+    when it loses a node's daemon, so in-job recovery falls back to the relaunch, and the
+    attempt line says why (the plain relaunch path: test_two_failures_one_spare_requeue)."""
+    job = Job(tmp_path, "ftkit-spare", steps=60, spares=1, in_job=True)
     job.submit("--time=10")
     job.until("step 15", job.step_reached(15))
     victim = job.slots()[2]                      # a node in use that is not the batch node
     _kill_node(victim, tmp_path / "local")
     rc = job.wait()
     assert rc == 0, job.text()
+    assert f"the MPI runtime lost its daemon on node {victim}" in job.text(), job.text()
     recoveries = [e for e in job.events() if e["event"] == "nodes"]
     assert len(recoveries) == 1, job.text()
     [nodes] = recoveries
@@ -190,6 +200,38 @@ def test_node_failure_uses_spare(tmp_path: Path, healthy: None,
     assert job.records("done")[-1]["digest"] == reference(60), job.text()
     # step 60 is on the PFS: every node removed its copies at the end (ftkit run's default)
     assert "removed the node-local copies of job slurm on every node" in job.text()
+    assert list((tmp_path / "local").glob("*/slurm")) == [], list((tmp_path / "local").rglob("*"))
+
+
+@pytest.mark.timeout(900)
+def test_in_job_rank_failure_moves_its_node_to_the_spare_node(
+        tmp_path: Path, healthy: None, reference: Callable[[int], str]) -> None:
+    """``--in-job``: the spare node's processes wait as spare ranks. Rank 4 (node slot 2,
+    not the batch node) is killed mid-run: its node has no spare, so both of its ranks
+    move to the spare node's processes in the running job (one launch, no relaunch; rank
+    5's live process becomes a spare), their shards are rebuilt from the partner copies,
+    and the job ends with the failure-free digest."""
+    job = Job(tmp_path, "ftkit-injob", steps=60, spares=1, in_job=True)
+    job.submit("--time=10")
+    job.until("step 15", job.step_reached(15))
+    pids = rank_processes(tmp_path, [4])
+    assert list(pids) == [4], pids
+    os.kill(pids[4], signal.SIGKILL)
+    rc = job.wait()
+    assert rc == 0, job.text()
+    events = job.events()
+    assert [e["event"] for e in events].count("launch") == 1, job.text()
+    [rec] = [e for e in events if e["event"] == "in-job"]
+    assert rec["failed"] == [4] and rec["replaced"] == {"4": 8, "5": 9}, rec
+    assert rec["moved"] == [5] and rec["spares_left"] == 1, rec
+    rebuilds = [e for e in events if e["event"] == "rebuild"]
+    assert rebuilds and sorted(rebuilds[0]["from_partner"]) == [4, 5], rebuilds
+    assert job.records("done")[-1]["digest"] == reference(60), job.text()
+    # slot 2 follows its ranks to the spare node (a requeue would put them there); nothing
+    # is left on any node: the old host's copies went when the node moved, the rest at the end
+    launched = job.slots()
+    slots = json.loads((tmp_path / "pfs" / "slurm" / "slurm-slots.json").read_text())["slots"]
+    assert slots[2] not in launched and slots[:2] + slots[3:] == launched[:2] + launched[3:]
     assert list((tmp_path / "local").glob("*/slurm")) == [], list((tmp_path / "local").rglob("*"))
 
 

@@ -18,7 +18,14 @@ import pytest
 
 from ftkit.comm.dist import lost_peer
 from ftkit.errors import ConfigError
-from ftkit.launch.failures import LauncherScan, StderrTee, explain, scan, summary
+from ftkit.launch.failures import (
+    LauncherScan,
+    StderrTee,
+    explain,
+    lost_daemons_reason,
+    scan,
+    summary,
+)
 from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records, record_death
 from ftkit.launch.outcome import attempt_line, judge
 
@@ -96,6 +103,34 @@ def _feed(text: str) -> dict[int, str]:
 def test_launcher_reports_are_found_across_wrapped_lines(text: str, want: dict[int, str]
                                                          ) -> None:
     assert _feed(text) == want
+
+
+OMPI_LOST_DAEMON = """\
+--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-vm-16534@0,0] on node vm
+  Remote daemon: [prterun-vm-16534@0,3] on node n3
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------
+"""
+
+
+def test_a_lost_daemon_names_its_node_and_the_attempt_says_why() -> None:
+    s = LauncherScan()
+    for line in (OMPI_LOST_DAEMON * 2).splitlines(keepends=True):
+        s.feed(line)
+    assert s.lost_nodes == ["n3"] and s.found == {}
+    why = lost_daemons_reason(s.lost_nodes)
+    assert "lost its daemon on node n3" in why and "in-job recovery" in why
+    res = judge(0, 0, False, 37.8, 0.0, lost=why)       # PRRTE exits 0 then
+    assert not res.ok and res.reason.endswith(f"Checkpointer.close() on every rank: {why}")
+    assert lost_daemons_reason([]) == ""
+    assert judge(0, 0, True, 1.0, 0.0, lost=why).reason == "succeeded"
 
 
 def test_segfault_and_unknown_signal_numbers() -> None:

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import read_events
-from ftkit.launch.mpiexec import MpiexecLauncher
+from ftkit.events import append_event, read_events
+from ftkit.launch.mpiexec import SPARES_ENV, MpiexecLauncher
 from ftkit.launch.relaunch import RunSpec, _Interrupt, run_job, stop_file_path
 from ftkit.slurm import health
 from ftkit.slurm.env import SlurmEnv, compress_hostlist, expand_hostlist
@@ -220,9 +220,9 @@ def senv(nodes: str = "n[1-5]") -> SlurmEnv:
 
 
 def launcher(tmp_path: Path, tools: FakeTools, n: int = 8, spares: int = 1,
-             nodes: str = "n[1-5]", shrink: int = 0) -> SlurmLauncher:
+             nodes: str = "n[1-5]", shrink: int = 0, in_job: bool = False) -> SlurmLauncher:
     return SlurmLauncher(MPI, senv(nodes), n, spares, tmp_path / "job" / "slurm-slots.json",
-                         tools=tools, shrink=shrink)  # type: ignore[arg-type]
+                         tools=tools, shrink=shrink, in_job=in_job)  # type: ignore[arg-type]
 
 
 def test_launcher_command_and_env(tmp_path: Path) -> None:
@@ -237,6 +237,37 @@ def test_launcher_command_and_env(tmp_path: Path) -> None:
     assert sl.describe()["slots"] == ["n1", "n2", "n3", "n4"] and sl.spares() == ["n5"]
     assert json.loads((tmp_path / "job" / "slurm-slots.json").read_text())["slots"] == \
         ["n1", "n2", "n3", "n4"]
+
+
+def test_in_job_launch_puts_spare_ranks_on_the_spare_nodes(tmp_path: Path) -> None:
+    sl = launcher(tmp_path, FakeTools(), nodes="n[1-6]", spares=2, in_job=True)
+    argv = sl.command(8, ["python", "train.py"])
+    assert argv[argv.index("--host") + 1] == "n1:2,n2:2,n3:2,n4:2,n5:2,n6:2"
+    assert argv[argv.index("-n") + 1] == "12"                 # 8 working + 2 nodes x 2
+    assert argv[argv.index("--with-ft") + 1] == "ulfm"
+    assert sl.environ({})[SPARES_ENV] == "4"
+    assert SPARES_ENV not in launcher(tmp_path, FakeTools()).environ({})
+    with pytest.raises(LaunchError, match="ULFM"):
+        SlurmLauncher(MpiexecLauncher(path="/x/mpiexec", flavor="mpich"), senv(), 8, 1,
+                      tmp_path / "s.json", tools=FakeTools(), in_job=True)  # type: ignore[arg-type]
+
+
+def test_slots_follow_a_node_that_moved_in_job(tmp_path: Path) -> None:
+    """Rank 5 (slot 2, n3) failed in the job; its node moved to the spare node n5
+    (processes 8 and 9); the job then fell back to a relaunch: slot 2 is n5 now and n3,
+    healthy, is a spare again."""
+    sl = launcher(tmp_path, FakeTools({}), in_job=True)
+    sl.command(8, ["./a.out"])
+    events = tmp_path / "job" / "events.jsonl"
+    for event in ({"event": "in-job", "replaced": {"0": 9}},        # an earlier attempt's
+                  {"event": "launch", "attempt": 1},
+                  {"event": "in-job", "replaced": {"4": 8, "5": 9}, "moved": [4]}):
+        append_event(events, **event)
+    rec = sl.after_failure()
+    assert rec.action == "relaunch" and sl.slots == ["n1", "n2", "n5", "n4"]
+    assert sl.spares() == ["n3"]
+    assert json.loads(sl.state_file.read_text())["slots"] == ["n1", "n2", "n5", "n4"]
+    assert sl.follow_in_job() == {}                      # nothing moved again
 
 
 def test_launcher_swaps_spare_then_requeues(tmp_path: Path) -> None:
