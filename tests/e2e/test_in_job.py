@@ -143,16 +143,19 @@ def test_killed_ranks_are_replaced_in_job_then_a_third_falls_back(
     _check_bitexact(res, reference)
 
 
-def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result) -> None:
+@pytest.mark.parametrize("level", ["partner", "xor"])
+def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result,
+                                             level: str) -> None:
     """Both ranks of virtual node 1 killed and its local directory wiped: the
     two spares take ranks 2 and 3 in the running job, their shards are rebuilt from the
-    partner copies on node 0, and the job ends bit-exact in its first mpiexec."""
+    partner copies on node 0 (or the XOR parity of the sets {0, 2} and {1, 3}), and the
+    job ends bit-exact in its first mpiexec."""
     step = random.randrange(5, 30)
     print(f"node 1 lost after step {step}")
     killer = Killer(tmp_path, [(step, [2, 3])], wipe=1)
     killer.start()
     res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=0, run_args=IN_JOB,
-                  FTKIT_LEVELS=LEVELS)
+                  FTKIT_LEVELS=f"local:1,{level}:1", FTKIT_XOR_SET="2")
     killer.join(5)
     assert killer.error is None and len(killer.killed) == 1, killer.error
     assert res.rc == 0, res.tail()
@@ -161,7 +164,10 @@ def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result) 
     assert rec["failed"] == [2, 3] and rec["replaced"] == {"2": N, "3": N + 1}, rec
     rebuilt = [e for e in events if e["event"] == "rebuild"]
     assert rebuilt and rebuilt[0]["nodes"] == ["node-1"], rebuilt
-    assert rebuilt[0]["from_partner"] == [2, 3], rebuilt
+    if level == "partner":
+        assert rebuilt[0]["from_partner"] == [2, 3], rebuilt
+    else:
+        assert rebuilt[0]["erasure"] == {"xor": {"0": [1], "1": [1]}}, rebuilt
     assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
     _check_bitexact(res, reference)
 
