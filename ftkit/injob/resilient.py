@@ -91,7 +91,11 @@ class InJob:
                               f"{MPI.COMM_WORLD.Get_size()} processes")
         self._warmed = False
         from ftkit.config import Config
-        self.heartbeat = Config.load().heartbeat
+        from ftkit.testing.faults import Faults
+        cfg = Config.load()
+        self.heartbeat = cfg.heartbeat
+        self.faults = Faults(cfg.faults, rank=MPI.COMM_WORLD.Get_rank(), node=-1,
+                             attempt=cfg.attempt)
 
     def run(self, train: Callable[[Any], T]) -> T | None:
         from ftkit.injob import membership, sockets
@@ -149,6 +153,8 @@ class InJob:
 
         from ftkit.injob import membership
         for attempt in range(REBUILD_TRIES):
+            if not flag.generation():
+                self.faults.fire("in-job-rebuild", None)      # tests: a failure meanwhile
             try:
                 rebuilt = membership.rebuild(gen)
                 break

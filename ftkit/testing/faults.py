@@ -37,7 +37,7 @@ STREAM_LEVELS = ("partner", "xor", "rs")
 KINDS = ("kill", "exit", "raise", "hang", "corrupt", "node")
 PHASES = ("between", "capture", "write-local", "encode", "vote", "decide", "announce", "commit",
           "flush",
-          "restore-discover", "restore-rebuild", "restore-load")
+          "restore-discover", "restore-rebuild", "restore-load", "in-job-rebuild")
 KEYS = ("rank", "node", "step", "phase", "level", "attempt", "code")
 _INT_KEYS = ("rank", "node", "step", "attempt", "code")
 

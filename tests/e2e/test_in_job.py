@@ -201,3 +201,23 @@ def test_hung_rank_is_ended_by_the_heartbeat_and_replaced_in_job(
     assert rec["failed"] == [victim] and rec["replaced"] == {str(victim): N}, rec
     assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
     _check_bitexact(res, reference)
+
+
+def test_a_spare_lost_during_the_recovery_is_passed_over(tmp_path: Path,
+                                                         reference: Result) -> None:
+    """Rank 1 dies at a random step; the spare that would take its place (process 4) dies
+    too, right before its shrink (``in-job-rebuild`` fault): the survivors shrink again
+    (or their first shrink already left it out), the other spare takes rank 1, and the job
+    ends bit-exact in its first mpiexec with no spare left."""
+    step = random.randrange(5, 30)
+    print(f"rank 1 killed at step {step}, spare 4 in the recovery")
+    res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=0, run_args=IN_JOB,
+                  FTKIT_LEVELS=LEVELS,
+                  FTKIT_FAULTS=f"kill:rank=1:step={step}:phase=between;"
+                               f"kill:phase=in-job-rebuild:rank=4")
+    assert res.rc == 0, res.tail()
+    [rec] = [e for e in res.events() if e["event"] == "in-job"]
+    assert rec["failed"] == [1] and rec["replaced"] == {"1": N + 1}, rec
+    assert rec["spares_left"] == 0, rec
+    assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
+    _check_bitexact(res, reference)
