@@ -62,7 +62,7 @@ class SlurmLauncher:
                  in_job: bool = False) -> None:
         self.mpi, self.senv, self.n, self.shrink = mpi, senv, n, shrink
         if in_job:
-            mpi = mpi.in_job(0)                      # LaunchError unless Open MPI (ULFM)
+            mpi.in_job(0)                    # validates: LaunchError unless Open MPI (ULFM)
         self.in_job = in_job
         self.tools = tools or SlurmTools(senv.job_id)
         self.state_file = state_file
