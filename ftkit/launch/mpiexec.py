@@ -78,6 +78,15 @@ def query_flavor(mpiexec: str, timeout: float = 30.0) -> str:
     return flavor
 
 
+_OPENMPI_VERSION = re.compile(r"\((?:Open MPI|OpenRTE)\)\s+(\d+)\.")
+
+
+def openmpi_major(version_text: str) -> int | None:
+    """Open MPI's major version from ``mpiexec --version`` output (pure); None if absent."""
+    m = _OPENMPI_VERSION.search(version_text)
+    return int(m.group(1)) if m else None
+
+
 def find_mpiexec(executable: str | None = None, path: str | None = None) -> str:
     """Locate ``mpiexec``: next to ``executable`` (default ``sys.executable``), then on PATH.
 
@@ -254,6 +263,16 @@ class MpiexecLauncher:
         if self.flavor != OPENMPI:
             raise LaunchError(f"--in-job needs Open MPI 5 with ULFM (mpiexec --with-ft ulfm); "
                               f"{self.path} is {self.flavor}")
+        try:
+            proc = subprocess.run([self.path, "--version"], capture_output=True, text=True,
+                                  timeout=30, stdin=subprocess.DEVNULL, check=False)
+            major = openmpi_major(proc.stdout + proc.stderr)
+        except (OSError, subprocess.TimeoutExpired):
+            major = None                     # cannot tell: the launch itself will say
+        if major is not None and major < 5:
+            raise LaunchError(f"--in-job needs Open MPI 5 with ULFM (mpiexec --with-ft ulfm); "
+                              f"{self.path} is Open MPI {major}: run without --in-job (a "
+                              f"failure then relaunches the job)")
         return dataclasses.replace(self, spare_ranks=spares)
 
     def command(self, n: int, cmd: Sequence[str]) -> list[str]:

@@ -32,6 +32,7 @@ from ftkit.launch.mpiexec import (
     detect_flavor,
     find_mpiexec,
     launch_env,
+    openmpi_major,
     places_ranks,
     query_flavor,
     rewrite_python,
@@ -109,6 +110,17 @@ def test_query_flavor_runs_version(fake: str, monkeypatch: pytest.MonkeyPatch) -
     assert query_flavor(fake) == MPICH
     monkeypatch.setenv("FAKE_MPIEXEC_VERSION", OPENMPI_VERSION)
     assert query_flavor(fake) == OPENMPI
+
+
+def test_in_job_refuses_an_open_mpi_without_ulfm(fake: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPIEXEC_VERSION", "mpirun (OpenRTE) 4.1.4\n")
+    old = MpiexecLauncher(path=fake, flavor=OPENMPI)
+    with pytest.raises(LaunchError, match="is Open MPI 4: run without --in-job"):
+        old.in_job(2)
+    monkeypatch.setenv("FAKE_MPIEXEC_VERSION", "mpiexec (Open MPI) 5.0.11\n")
+    assert MpiexecLauncher(path=fake, flavor=OPENMPI).in_job(2).spare_ranks == 2
+    assert openmpi_major("prterun (PRRTE) 3.0.0\n") is None     # PRRTE's own number
 
 
 def test_query_flavor_missing_executable(tmp_path: Path) -> None:
