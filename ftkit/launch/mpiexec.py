@@ -64,14 +64,23 @@ def detect_flavor(version_text: str) -> str:
     return UNKNOWN
 
 
-def query_flavor(mpiexec: str, timeout: float = 30.0) -> str:
-    """Run ``mpiexec --version`` and detect the flavour; :class:`LaunchError` if it cannot run."""
+def version_text(mpiexec: str, timeout: float = 30.0) -> str:
+    """What ``mpiexec --version`` prints; :class:`LaunchError` if it cannot run."""
     try:
         proc = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LaunchError(f"cannot run '{mpiexec} --version': {exc}") from exc
-    flavor = detect_flavor(proc.stdout + proc.stderr)
+    return proc.stdout + proc.stderr
+
+
+def query_flavor(mpiexec: str, timeout: float = 30.0) -> str:
+    """Run ``mpiexec --version`` and detect the flavour; :class:`LaunchError` if it cannot run."""
+    return _flavor_of(mpiexec, version_text(mpiexec, timeout))
+
+
+def _flavor_of(mpiexec: str, text: str) -> str:
+    flavor = detect_flavor(text)
     if flavor == UNKNOWN:
         log.warning("%s --version names no known MPI (Open MPI, MPICH); launching it without "
                     "extra options", mpiexec)
@@ -240,6 +249,7 @@ class MpiexecLauncher:
     extra: tuple[str, ...] = ()          # ftkit run --launcher-args
     name: str = "mpiexec"
     spare_ranks: int | None = None       # ftkit run --in-job: K spare processes, ULFM on
+    major: int | None = None             # Open MPI's major version, when detect() read it
 
     @classmethod
     def detect(cls, mpiexec: str | None = None, env: Mapping[str, str] | None = None,
@@ -249,7 +259,9 @@ class MpiexecLauncher:
         Called once per ``ftkit run``: when its attempts (launched with ``env``, default
         ``os.environ``) will run Open MPI as root, a WARNING says so here, not per attempt."""
         path = resolve_mpiexec(mpiexec) if mpiexec else find_mpiexec()
-        launcher = cls(path=path, flavor=query_flavor(path), extra=tuple(extra))
+        text = version_text(path)
+        launcher = cls(path=path, flavor=_flavor_of(path, text), extra=tuple(extra),
+                       major=openmpi_major(text))
         added = root_vars_added(os.environ if env is None else env, launcher.flavor)
         if added:
             log.warning("running Open MPI as root: every attempt gets %s (Open MPI refuses "
@@ -263,15 +275,9 @@ class MpiexecLauncher:
         if self.flavor != OPENMPI:
             raise LaunchError(f"--in-job needs Open MPI 5 with ULFM (mpiexec --with-ft ulfm); "
                               f"{self.path} is {self.flavor}")
-        try:
-            proc = subprocess.run([self.path, "--version"], capture_output=True, text=True,
-                                  timeout=30, stdin=subprocess.DEVNULL, check=False)
-            major = openmpi_major(proc.stdout + proc.stderr)
-        except (OSError, subprocess.TimeoutExpired):
-            major = None                     # cannot tell: the launch itself will say
-        if major is not None and major < 5:
+        if self.major is not None and self.major < 5:
             raise LaunchError(f"--in-job needs Open MPI 5 with ULFM (mpiexec --with-ft ulfm); "
-                              f"{self.path} is Open MPI {major}: run without --in-job (a "
+                              f"{self.path} is Open MPI {self.major}: run without --in-job (a "
                               f"failure then relaunches the job)")
         return dataclasses.replace(self, spare_ranks=spares)
 

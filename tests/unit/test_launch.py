@@ -115,11 +115,12 @@ def test_query_flavor_runs_version(fake: str, monkeypatch: pytest.MonkeyPatch) -
 def test_in_job_refuses_an_open_mpi_without_ulfm(fake: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_MPIEXEC_VERSION", "mpirun (OpenRTE) 4.1.4\n")
-    old = MpiexecLauncher(path=fake, flavor=OPENMPI)
+    old = MpiexecLauncher.detect(fake)
+    assert (old.flavor, old.major) == (OPENMPI, 4)
     with pytest.raises(LaunchError, match="is Open MPI 4: run without --in-job"):
         old.in_job(2)
     monkeypatch.setenv("FAKE_MPIEXEC_VERSION", "mpiexec (Open MPI) 5.0.11\n")
-    assert MpiexecLauncher(path=fake, flavor=OPENMPI).in_job(2).spare_ranks == 2
+    assert MpiexecLauncher.detect(fake).in_job(2).spare_ranks == 2
     assert openmpi_major("prterun (PRRTE) 3.0.0\n") is None     # PRRTE's own number
 
 
