@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 from mpi4py import MPI
 
@@ -184,6 +184,11 @@ def _real_nodes(comm: MPI.Comm) -> list[int]:
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
     shared.Free()
-    leaders = comm.allgather(leader)
-    order = {r: i for i, r in enumerate(sorted(set(leaders)))}
-    return [order[r] for r in leaders]
+    return number_groups(comm.allgather(leader))
+
+
+def number_groups(keys: Sequence[Hashable]) -> list[int]:
+    """Node of every rank from its group's key (a node leader's rank, a host name): nodes
+    numbered in the order of their lowest rank. Pure."""
+    index: dict[Hashable, int] = {}
+    return [index.setdefault(k, len(index)) for k in keys]

@@ -122,7 +122,7 @@ class Generation:
 def first_generation(n: int) -> Generation:
     """Generation 0: world ranks below ``n`` work, the rest are spares; every process's
     host is gathered. All processes call."""
-    from ftkit.comm.topology import ranks_per_node_setting, virtual_nodes
+    from ftkit.comm.topology import number_groups, ranks_per_node_setting, virtual_nodes
     world = MPI.COMM_WORLD.Dup()
     world.Set_errhandler(MPI.ERRORS_RETURN)
     logical = world.Get_rank() if world.Get_rank() < n else -1
@@ -134,15 +134,9 @@ def first_generation(n: int) -> Generation:
         errors="replace") for p in range(world.Get_size())}
     per_node = ranks_per_node_setting(None)
     node_of = virtual_nodes(n, per_node) if per_node else \
-        _nodes_by_host([hosts[lr] for lr in range(n)])
+        number_groups([hosts[lr] for lr in range(n)])
     return Generation(world=world, work=work if logical >= 0 else None, logical=logical, n=n,
                       hosts=hosts, node_of=node_of, holders={lr: lr for lr in range(n)})
-
-
-def _nodes_by_host(host_of: Sequence[str]) -> list[int]:
-    """Node of every rank: ranks on one host share one, numbered by their lowest rank."""
-    order = list(dict.fromkeys(host_of))
-    return [order.index(h) for h in host_of]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ftkit.comm.placement import erasure_sets, partner_map, set_of
-from ftkit.comm.topology import check_shape, coords_of, virtual_nodes
+from ftkit.comm.topology import check_shape, coords_of, number_groups, virtual_nodes
 from ftkit.errors import ConfigError
 
 Shape = tuple[list[int], list[tuple[int, int]] | None, str]
@@ -291,3 +291,10 @@ def test_topology_shapes_random(nodes: int, rpn: int, tp: int, pp: int, size: in
     if nodes >= size:
         sets = erasure_sets(rank_node, size, shard_of=shard_of)
         _check_sets(rank_node, sets, size, 2, "topology", _groups(rank_node, shard_of, size))
+
+
+def test_nodes_are_numbered_in_the_order_of_their_lowest_rank() -> None:
+    # node leaders' ranks (COMM_TYPE_SHARED) and host names number nodes alike
+    assert number_groups([0, 0, 2, 2, 4]) == [0, 0, 1, 1, 2]
+    assert number_groups([0, 1, 0, 1, 4]) == [0, 1, 0, 1, 2]
+    assert number_groups(["n3", "n1", "n3", "n1"]) == [0, 1, 0, 1]
