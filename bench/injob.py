@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftkit.events import read_events
 from ftkit.testing.procs import rank_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,19 +51,6 @@ def example_command(example: str, ranks: int, steps: int) -> list[str]:
         raise SystemExit(f"hp_gpt runs tp2 x pp2: --ranks {ranks} is not a multiple of 4")
     return [str(EXAMPLES / "hp_gpt.py"), "--dp", str(ranks // 4), "--tp", "2", "--pp", "2",
             "--steps", str(steps), "--seed", "3"]
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    except OSError:
-        pass
-    return out
 
 
 def _losses(out: str) -> dict[int, float]:
@@ -96,7 +84,7 @@ def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
         killed_at = None
         deadline = time.monotonic() + 300
         while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            if any(e["event"] == "commit" and e["step"] >= step for e in _events(events)):
+            if any(e["event"] == "commit" and e["step"] >= step for e in read_events(events)):
                 pid = rank_processes(tmp, [victim]).get(victim)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -106,7 +94,7 @@ def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
         if proc.returncode != 0 or killed_at is None:
             raise SystemExit(f"{kind} round failed (rc {proc.returncode}, killed "
                              f"{killed_at}):\n{out[-2000:]}\n{err[-3000:]}")
-        got = _events(events)
+        got = list(read_events(events))
         if kind == "in_job":
             back = [e["time"] for e in got if e["event"] == "in-job-step"]
         else:

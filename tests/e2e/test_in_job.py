@@ -9,7 +9,6 @@ sends SIGKILL (or SIGSTOP: a hung rank) to a rank's process (found by its
 the current generation."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -17,10 +16,10 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from ftkit.events import read_events
 from ftkit.testing.procs import rank_processes
 from tests.e2e.jobs import Result, run_toy
 
@@ -28,20 +27,6 @@ N, SPARES, STEPS = 4, 2, 40
 LEVELS = "local:1,partner:1"
 IN_JOB = ("--in-job", "--spares", str(SPARES))
 pytestmark = pytest.mark.timeout(600)
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass                      # a line being written
-    return out
 
 
 class Killer(threading.Thread):
@@ -63,7 +48,7 @@ class Killer(threading.Thread):
         try:
             for i, (step, ranks) in enumerate(self.plan):
                 while time.monotonic() < deadline:
-                    got = _events(events)
+                    got = list(read_events(events))
                     if i and not [e for e in got[seen:] if e["event"] == "in-job-step"]:
                         time.sleep(0.02)           # the previous recovery is not done yet
                         continue
@@ -71,7 +56,7 @@ class Killer(threading.Thread):
                             and e["step"] >= step]:
                         break
                     time.sleep(0.02)
-                seen = len(_events(events))
+                seen = len(list(read_events(events)))
                 self._kill(ranks)
         except Exception as exc:  # noqa: BLE001 - reported by the test
             self.error = repr(exc)
