@@ -7,7 +7,8 @@ position) changes it:
 
 * objects with ``state_dict()`` (modules, optimizers, loaders): their state dicts;
 * :class:`ftkit.RNGState`: the *live* generators, read here with the libraries' own getters
-  (Python ``random``, NumPy's global generator, torch CPU, every initialised CUDA device),
+  (Python ``random``, NumPy's global generator, torch CPU and every initialised CUDA device
+  when torch is imported),
   not through ftkit, so the check does not depend on the code under test;
 * plain trees of tensors, arrays and scalars as they are.
 
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import random
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 import ftkit
@@ -32,8 +33,11 @@ import ftkit
 
 def live_rng_states() -> dict[str, Any]:
     """The generators' states as the libraries report them (local)."""
-    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                           "torch": torch.get_rng_state()}
+    out: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
+    torch = sys.modules.get("torch")           # a NumPy-only example never imports it
+    if torch is None:
+        return out
+    out["torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = list(torch.cuda.get_rng_state_all())
     return out
@@ -55,7 +59,8 @@ def resolve(obj: Any) -> Any:
 
 def feed(h: Any, obj: Any) -> None:
     """Hash ``obj`` (already :func:`resolve`-d) into ``h`` in a canonical order."""
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

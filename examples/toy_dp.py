@@ -28,35 +28,9 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import emit, init_torch_distributed
 from _digest import state_digest
+from _loader import Loader
 
 import ftkit
-
-
-class Loader:
-    """Resumable sampler over a fixed synthetic regression set; state = epoch + position."""
-
-    def __init__(self, seed: int, n: int = 2048, dim: int = 16, batch: int = 32) -> None:
-        g = np.random.default_rng(seed)
-        self.x = g.standard_normal((n, dim)).astype(np.float32)
-        w = g.standard_normal((dim, 1)).astype(np.float32)
-        self.y = np.tanh(self.x @ w) + 0.05 * g.standard_normal((n, 1)).astype(np.float32)
-        self.seed, self.batch = seed, batch
-        self.epoch, self.pos = 0, 0
-
-    def next(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of the next global batch."""
-        if self.pos + self.batch > len(self.x):
-            self.epoch, self.pos = self.epoch + 1, 0
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.x))
-        idx = order[self.pos:self.pos + self.batch][rank::world]
-        self.pos += self.batch
-        return torch.from_numpy(self.x[idx]), torch.from_numpy(self.y[idx])
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
 
 
 def main() -> None:
@@ -93,7 +67,7 @@ def train(args: argparse.Namespace, comm: MPI.Comm) -> None:
     emit(comm, event="start", step=start, attempt=ckpt.config.attempt)
     loss_val = float("nan")
     for step in range(start, args.steps):
-        x, y = loader.next(comm.rank, comm.size)
+        x, y = (torch.from_numpy(a) for a in loader.next(comm.rank, comm.size))
         random.random(), np.random.random()            # the host-side generators advance
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)

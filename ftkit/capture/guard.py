@@ -39,7 +39,10 @@ def _walk(x: Any) -> Iterator[Any]:
 
 
 def guarded_storage(optimizers: list[Any]) -> set[int]:
-    """Data pointers of every parameter and optimizer-state tensor of ``optimizers``."""
+    """Data pointers of every parameter and optimizer-state tensor of ``optimizers`` (none
+    without any: a state of NumPy arrays never imports torch)."""
+    if not optimizers:
+        return set()
     torch = sys.modules["torch"]
     ptrs: set[int] = set()
     for opt in optimizers:

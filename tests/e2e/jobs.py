@@ -15,6 +15,7 @@ from ftkit.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "examples" / "toy_dp.py"
+NUMPY_TOY = REPO / "examples" / "toy_numpy.py"      # the same job without torch: starts in ~2 s
 FTKIT = [sys.executable, "-m", "ftkit.cli.main"]
 
 
@@ -91,10 +92,11 @@ def job_env(tmp: Path, **ftkit_env: str) -> dict[str, str]:
 def run_toy(tmp: Path, *, n: int = 4, steps: int = 8, seed: int = 1, ranks_per_node: int = 2,
             max_restarts: int = 2, attempt_timeout: int = 240, timeout: int = 600,
             extra: tuple[str, ...] = (), run_args: tuple[str, ...] = (),
-            keep_local: bool = True, **ftkit_env: str) -> Result:
-    """``ftkit run`` the toy example; returns its outcome (never hangs past ``timeout``).
-    ``extra``: more arguments of the toy; ``run_args``: more options of ``ftkit run``."""
-    return run_example(tmp, TOY, n=n, args=("--steps", str(steps), "--seed", str(seed), *extra),
+            keep_local: bool = True, script: Path = TOY, **ftkit_env: str) -> Result:
+    """``ftkit run`` the toy example (``script``: TOY, or NUMPY_TOY); returns its outcome
+    (never hangs past ``timeout``). ``extra``: more arguments of the toy; ``run_args``: more
+    options of ``ftkit run``."""
+    return run_example(tmp, script, n=n, args=("--steps", str(steps), "--seed", str(seed), *extra),
                        ranks_per_node=ranks_per_node, max_restarts=max_restarts,
                        attempt_timeout=attempt_timeout, timeout=timeout, run_args=run_args,
                        env=ftkit_env, keep_local=keep_local)
