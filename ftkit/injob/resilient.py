@@ -40,8 +40,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -94,6 +95,7 @@ class InJob:
         from ftkit.testing.faults import Faults
         cfg = Config.load()
         self.heartbeat = cfg.heartbeat
+        self.timeout = cfg.timeout
         self.faults = Faults(cfg.faults, rank=MPI.COMM_WORLD.Get_rank(), node=-1,
                              attempt=cfg.attempt)
 
@@ -152,19 +154,20 @@ class InJob:
         from mpi4py import MPI
 
         from ftkit.injob import membership
-        for attempt in range(REBUILD_TRIES):
-            if not flag.generation():
-                self.faults.fire("in-job-rebuild", None)      # tests: a failure meanwhile
-            try:
-                rebuilt = membership.rebuild(gen)
-                break
-            except membership.NotEnoughSpares as exc:
-                fall_back(str(exc), gen.logical)
-            except MPI.Exception as exc:
-                log.warning("in-job: shrink %d failed (%s); again", attempt + 1, exc)
-        else:
-            fall_back(f"processes kept failing during {REBUILD_TRIES} recoveries",
-                      gen.logical)
+        with _deadline(self.timeout, gen.logical):
+            for attempt in range(REBUILD_TRIES):
+                if not flag.generation():
+                    self.faults.fire("in-job-rebuild", None)  # tests: a failure meanwhile
+                try:
+                    rebuilt = membership.rebuild(gen)
+                    break
+                except membership.NotEnoughSpares as exc:
+                    fall_back(str(exc), gen.logical)
+                except MPI.Exception as exc:
+                    log.warning("in-job: shrink %d failed (%s); again", attempt + 1, exc)
+            else:
+                fall_back(f"processes kept failing during {REBUILD_TRIES} recoveries",
+                          gen.logical)
         new = rebuilt.generation
         if gen.logical >= 0 and new.logical < 0:
             _leave_node(gen, rebuilt.assignment.moved)
@@ -172,6 +175,24 @@ class InJob:
             _event(rebuilt, gen)
         flag.next_generation()
         return new
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, rank: int) -> Iterator[None]:
+    """Bound a recovery (shrink, agreement, new communicators) by ``seconds``
+    (``FTKIT_TIMEOUT``): a process that hangs in it is alive to MPI, so the shrink waits for
+    it, and the heartbeat ring of the old generation is gone; once the time is up this
+    process falls back (:func:`fall_back`, from a timer thread: the main thread is blocked
+    in MPI), and ``ftkit run`` relaunches the job. Local."""
+    why = (f"the recovery did not finish within {seconds:g} s (FTKIT_TIMEOUT): a process "
+           f"hangs in it")
+    timer = threading.Timer(seconds, fall_back, (why, rank))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _leave_node(old: Any, moved: list[int]) -> None:

@@ -128,19 +128,20 @@ def test_killed_ranks_are_replaced_in_job_then_a_third_falls_back(
     _check_bitexact(res, reference)
 
 
-@pytest.mark.parametrize("level", ["partner", "xor"])
+@pytest.mark.parametrize("level", ["partner", "xor", "rs"])
 def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result,
                                              level: str) -> None:
     """Both ranks of virtual node 1 killed and its local directory wiped: the
     two spares take ranks 2 and 3 in the running job, their shards are rebuilt from the
-    partner copies on node 0 (or the XOR parity of the sets {0, 2} and {1, 3}), and the
-    job ends bit-exact in its first mpiexec."""
+    partner copies on node 0 (or the XOR parity, or the Reed-Solomon parity, of the sets
+    {0, 2} and {1, 3}), and the job ends bit-exact in its first mpiexec."""
     step = random.randrange(5, 30)
     print(f"node 1 lost after step {step}")
     killer = Killer(tmp_path, [(step, [2, 3])], wipe=1)
     killer.start()
     res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=0, run_args=IN_JOB,
-                  FTKIT_LEVELS=f"local:1,{level}:1", FTKIT_XOR_SET="2")
+                  FTKIT_LEVELS=f"local:1,{level}:1", FTKIT_XOR_SET="2", FTKIT_RS_SET="2",
+                  FTKIT_RS_PARITY="1")
     killer.join(5)
     assert killer.error is None and len(killer.killed) == 1, killer.error
     assert res.rc == 0, res.tail()
@@ -152,7 +153,7 @@ def test_lost_virtual_node_is_rebuilt_in_job(tmp_path: Path, reference: Result,
     if level == "partner":
         assert rebuilt[0]["from_partner"] == [2, 3], rebuilt
     else:
-        assert rebuilt[0]["erasure"] == {"xor": {"0": [1], "1": [1]}}, rebuilt
+        assert rebuilt[0]["erasure"] == {level: {"0": [1], "1": [1]}}, rebuilt
     assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
     _check_bitexact(res, reference)
 
@@ -191,3 +192,28 @@ def test_hung_rank_is_ended_by_the_heartbeat_and_replaced_in_job(
     assert len(res.attempt_lines()) == 1 and "succeeded" in res.attempt_lines()[0]
     _check_bitexact(res, reference)
 
+
+
+def test_a_process_hanging_in_the_recovery_falls_back(
+        tmp_path: Path, reference: Result) -> None:
+    """A working rank killed at a random step; spare process 4 hangs right before its shrink
+    (``hang`` fault at ``in-job-rebuild``): alive to MPI, so the other processes' shrink
+    waits for it, and no heartbeat watches a recovery. FTKIT_TIMEOUT (8 s) bounds the
+    recovery: the job falls back to a relaunch whose attempt line says why, and ends
+    bit-exact."""
+    rng = random.Random()
+    step, victim = rng.randrange(5, 30), rng.randrange(N)
+    print(f"kill world rank {victim} after step {step}")
+    killer = Killer(tmp_path, [(step, [victim])])
+    killer.start()
+    res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=1, run_args=IN_JOB,
+                  FTKIT_LEVELS=LEVELS, FTKIT_TIMEOUT="8",
+                  FTKIT_FAULTS="hang:phase=in-job-rebuild:rank=4:attempt=0")
+    killer.join(5)
+    assert killer.error is None and len(killer.killed) == 1, killer.error
+    assert res.rc == 0, res.tail()
+    lines = res.attempt_lines()
+    assert len(lines) == 2 and "succeeded" in lines[1], lines
+    assert "the recovery did not finish within 8 s (FTKIT_TIMEOUT)" in lines[0], lines
+    assert not [e for e in res.events() if e["event"] == "in-job"], res.events()
+    _check_bitexact(res, reference)

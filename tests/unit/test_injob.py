@@ -3,6 +3,7 @@ down, the spare-rank setting, the ULFM launch line and the rank-process finder (
 recovery itself: tests/e2e/test_in_job.py)."""
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
@@ -18,6 +19,9 @@ from ftkit.injob.membership import NotEnoughSpares, assign
 from ftkit.injob.resilient import spare_ranks
 from ftkit.launch.mpiexec import MPICH, OPENMPI, SPARES_ENV, MpiexecLauncher
 from ftkit.testing.procs import rank_processes
+
+# the module (ftkit.injob exports its function ``resilient`` under the same name)
+resilient = importlib.import_module("ftkit.injob.resilient")
 
 
 def test_spares_take_the_failed_ranks_in_order() -> None:
@@ -191,3 +195,31 @@ def test_rank_processes_finds_a_job_by_directory_and_rank(tmp_path: Path) -> Non
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_recovery_that_hangs_falls_back_at_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recovery still running after FTKIT_TIMEOUT: the timer thread falls back (aborts
+    the world) naming why, while the recovery itself is still blocked."""
+    called: list[tuple[str, int]] = []
+    fired = threading.Event()
+
+    def fake(why: str, rank: int) -> None:
+        called.append((why, rank))
+        fired.set()
+    monkeypatch.setattr(resilient, "fall_back", fake)
+    with resilient._deadline(0.05, 3):
+        assert fired.wait(10)            # the recovery "hangs" until the deadline fires
+    why = "the recovery did not finish within 0.05 s (FTKIT_TIMEOUT): a process hangs in it"
+    assert called == [(why, 3)]
+
+
+def test_a_recovery_in_time_leaves_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[str] = []
+    monkeypatch.setattr(resilient, "fall_back", lambda why, rank: called.append(why))
+    before = set(threading.enumerate())
+    with resilient._deadline(30, 0):
+        timers = [t for t in threading.enumerate() if t not in before]
+    for t in timers:
+        t.join(5)
+    assert len(timers) == 1 and not timers[0].is_alive() and called == []
