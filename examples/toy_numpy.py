@@ -13,7 +13,9 @@ into them. Checkpointed: parameters, Adam moments and step count, every generato
 
 Output: as ``toy_dp.py`` (one JSON line per step on rank 0; the last one ``{"event":
 "done", ..., "digest": D, "digest_parts": {...}}``). The process never imports torch; the
-end-to-end fault matrix runs this example (tests/e2e/test_fault_matrix.py).
+end-to-end protocol fault matrix and the redundancy tests run this example
+(tests/e2e/test_fault_matrix.py, tests/e2e/test_redundancy.py): it starts in ~2 s where the
+torch toy takes ~9 s on 2 cores.
 """
 from __future__ import annotations
 
