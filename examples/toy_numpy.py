@@ -54,6 +54,23 @@ def local_grads(p: Arrays, x: np.ndarray, y: np.ndarray) -> tuple[float, Arrays]
     return float((err * err).sum()), grads
 
 
+def mean_over_ranks(comm: MPI.Comm, sse: float, grads: Arrays, noise: float,
+                    batch: int) -> tuple[float, Arrays]:
+    """(mean loss, mean gradients) over the global batch of ``batch`` rows: this rank's
+    gradients, plus ``noise`` times draws of NumPy's global generator, and its squared
+    error summed over every rank in one ``Allreduce``. Every rank of ``comm`` calls."""
+    names = sorted(grads)
+    flat = np.concatenate([grads[k].ravel() for k in names] + [np.array([sse])])
+    flat[:-1] += noise * np.random.standard_normal(flat.size - 1)
+    comm.Allreduce(MPI.IN_PLACE, flat)
+    flat /= batch
+    out, offset = {}, 0
+    for k in names:
+        out[k] = flat[offset:offset + grads[k].size].reshape(grads[k].shape)
+        offset += grads[k].size
+    return float(flat[-1]), out
+
+
 def adam_step(p: Arrays, g: Arrays, opt: dict[str, Arrays], lr: float = 1e-2,
               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> None:
     """One Adam update of ``p`` in place; ``opt`` holds the moments and the step count."""
@@ -97,18 +114,8 @@ def train(args: argparse.Namespace, comm: MPI.Comm) -> None:
     for step in range(start, args.steps):
         x, y = (a.astype(np.float64) for a in loader.next(comm.rank, comm.size))
         random.random()
-        sse, grads = local_grads(params, x, y)
-        names = sorted(grads)
-        flat = np.concatenate([grads[k].ravel() for k in names] + [np.array([sse])])
-        flat[:-1] += args.noise * np.random.standard_normal(flat.size - 1)
-        comm.Allreduce(MPI.IN_PLACE, flat)
-        flat /= loader.batch
-        offset = 0
-        for k in names:
-            n = grads[k].size
-            grads[k] = flat[offset:offset + n].reshape(grads[k].shape)
-            offset += n
-        loss = float(flat[-1])
+        loss, grads = mean_over_ranks(comm, *local_grads(params, x, y), args.noise,
+                                      loader.batch)
         adam_step(params, grads, opt)
         emit(comm, event="step", step=step + 1, loss=loss)
         ckpt.save(step + 1, state)
