@@ -7,7 +7,9 @@ holds and that job starts in ~2 s where the torch one takes ~9 s on a 2-core mac
 import, and torch._dynamo's, which ``torch.optim`` pulls in): the matrix's ~80 attempts fit
 the CI time that way. What is torch's own under a fault (CPU tensors landing in the slot,
 optimizer state staged in the background behind the step pre-hook) has its chain on the
-torch toy, ``test_torch_state_under_capture_faults``; every other e2e test runs torch. The attempt must fail, be relaunched, resume from the newest committed step (which the
+torch toy, ``test_torch_state_under_capture_faults``; every other e2e test runs torch.
+
+The attempt must fail, be relaunched, resume from the newest committed step (which the
 Koo–Toueg protocol determines exactly: a fault before the coordinator's durable decision
 leaves the step before, one after it leaves the faulted step) and the job must end with the
 failure-free digest of the whole state. To keep the CI time in bounds, cases run in chains
@@ -32,9 +34,9 @@ never lost. A hang in each phase is one more chain (detected within ``FTKIT_TIME
 
 Every rank writes its node-local shard into a reused slot file (``storage/slots.py``): from
 step 3 on, a save overwrites the slot that held the committed step two steps back. The
-capture copies CPU arrays and tensors straight into it, so ``capture`` strikes before that slot is
-overwritten, ``write-local`` after it was overwritten and before it is published as the
-step's shard, ``vote`` .. ``commit`` after; the single-level cases check that the slots were
+capture copies CPU arrays and tensors straight into it, so ``capture`` strikes before that
+slot is overwritten, ``write-local`` after it was overwritten and before it is published as
+the step's shard, ``vote`` .. ``commit`` after; the single-level cases check that the slots were
 indeed reused (at most 3 per rank after 8 saves and three relaunches).
 """
 from __future__ import annotations
