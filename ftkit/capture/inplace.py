@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ftkit.buffers import aligned_empty
 from ftkit.capture import loaders
 from ftkit.capture.devicecopy import device_target, overwritable
 from ftkit.capture.flatten import (
@@ -68,7 +69,7 @@ def destination(saved: TensorLeaf, live: TensorLeaf | None) -> tuple[Any, Any]:
         device = device_target(live.source)
         if device is not None and device.numel() == saved.nbytes:
             return device, held
-    return np.empty(saved.nbytes, dtype=np.uint8), None
+    return aligned_empty(saved.nbytes), None
 
 
 def _as_live(value: Any, live: TensorLeaf | None) -> Any:

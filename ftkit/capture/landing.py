@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ftkit import passes
+from ftkit.buffers import aligned_empty
 from ftkit.capture.devicecopy import DeviceLanding
 
 #: bytes per piece of a live host tensor (the bounce buffer: a few MiB stay in cache)
@@ -92,7 +93,7 @@ class GatedLanding:
             assert self._device is not None
             return self._device.buffer(offset, n)
         if self._bounce is None:
-            self._bounce = np.empty(self.piece, dtype=np.uint8)
+            self._bounce = aligned_empty(self.piece)
         return self._bounce[:n]
 
     def land(self, offset: int, piece: np.ndarray) -> None:

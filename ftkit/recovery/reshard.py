@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ftkit.buffers import aligned_empty
 from ftkit.capture import loaders, shards
 from ftkit.capture.flatten import (
     TensorLeaf,
@@ -343,7 +344,7 @@ class Resharded:
         for t in self.targets:
             dest, held = destination(t.leaf, t.live)
             if not isinstance(dest, np.ndarray):     # a GPU tensor: assembled on the host
-                dest, held = np.empty(t.leaf.nbytes, dtype=np.uint8), None
+                dest, held = aligned_empty(t.leaf.nbytes), None
             self.dests.append(dest)
             live_flags.append(held is not None)
             tensors.append(held if held is not None else
@@ -404,7 +405,7 @@ class Resharded:
                     landing.start(self.dests[j], self.reading.live[j])
                     self.reader.read_tensor(group, index, landing)
                 else:
-                    raw = np.empty(entry["nbytes"], dtype=np.uint8)
+                    raw = aligned_empty(entry["nbytes"])
                     size = itemsize(entry["kind"], entry["dtype"])
                     if not self._read_part(group, index, [c for _, c in uses], size, raw):
                         landing.start(raw, False)

@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 
 from ftkit import passes
+from ftkit.buffers import BOUNCE, aligned_empty, misaligned
 from ftkit.capture.flatten import (
     MAX_DEPTH,
     DecodeError,
@@ -523,9 +524,13 @@ class Shard:
 
     def _read_range(self, index: int, start: int, out: np.ndarray, h: Any) -> None:
         """Bytes ``start .. start + len(out)`` of tensor ``index`` into ``out``, fed to the
-        hash ``h`` chunk by chunk as they land."""
+        hash ``h`` chunk by chunk as they land; through an aligned bounce when ``out`` is
+        misaligned (:mod:`ftkit.buffers`: e.g. a NumPy array's own memory)."""
         t = self.tensors[index]
         base = t["offset"] + start
+        if self._fd is not None and misaligned(out):
+            self._read_bounced(base, out, h, t["path"])
+            return
         for a in range(0, len(out), READ_CHUNK):
             part = out[a:a + READ_CHUNK]
             if self._fd is None:
@@ -533,6 +538,19 @@ class Shard:
             elif os.preadv(self._fd, [part.data], base + a) != len(part):
                 raise OSError(f"{self.path}: short read of tensor {t['path']}")
             h.update(part.data)
+
+    def _read_bounced(self, base: int, out: np.ndarray, h: Any, what: str) -> None:
+        """File bytes from ``base`` into the misaligned ``out``: read into an aligned
+        bounce, hashed there, copied out in :data:`~ftkit.buffers.BOUNCE` pieces."""
+        assert self._fd is not None
+        bounce = aligned_empty(min(BOUNCE, len(out)))
+        for a in range(0, len(out), BOUNCE):
+            part = out[a:a + BOUNCE]
+            got = bounce[:len(part)]
+            if os.preadv(self._fd, [got.data], base + a) != len(part):
+                raise OSError(f"{self.path}: short read of tensor {what}")
+            h.update(got.data)
+            np.copyto(part, got)
 
     def bad_tensors(self) -> list[str]:
         """Paths of tensors whose checksum does not match (full read of the data)."""

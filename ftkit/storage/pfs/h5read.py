@@ -25,6 +25,7 @@ from typing import Any, Self
 import numpy as np
 import xxhash
 
+from ftkit.buffers import aligned_empty
 from ftkit.capture.landing import GatedLanding
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5data, h5files
@@ -169,7 +170,7 @@ class StepReader:
         """``rank``'s verified group and raw uint8 arrays (new) in tree order; see
         :meth:`read_into`. Raises CorruptCheckpointError."""
         group = self.group(rank)
-        arrays = [np.empty(e["nbytes"], dtype=np.uint8) for e in group.entries]
+        arrays = [aligned_empty(e["nbytes"]) for e in group.entries]
         landing = GatedLanding()
 
         def into(i: int) -> Landing:

@@ -34,6 +34,7 @@ import xxhash
 from mpi4py import MPI
 
 from ftkit import passes
+from ftkit.buffers import aligned_empty, aligned_zeros
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
@@ -286,11 +287,11 @@ class ErasureLevel(Level):
         comm, nxt, prv = self.sdc.comm, (me + 1) % k, (me - 1) % k
         tag_out, tag_in = self.sdc.bulk_tag(step, me, nxt), self.sdc.bulk_tag(step, prv, me)
         parity: list[np.ndarray] = [np.empty(0, np.uint8)] * lay.p
-        scratch = np.empty(s, dtype=np.uint8) if lay.p > 1 else None
+        scratch = aligned_empty(s) if lay.p > 1 else None
         for j in range(lay.p):
             at = lay.parity_slot(me, (me - j) % k)
             acc = np.zeros(s, dtype=np.uint8)
-            inbox = res.view(at) if res is not None else np.empty(s, dtype=np.uint8)
+            inbox = res.view(at) if res is not None else aligned_empty(s)
             for hop in range(1, k):
                 mine = self._contribution((me - hop - j) % k, j, segs, scratch)
                 if hop == 1:
@@ -408,7 +409,7 @@ class ErasureLevel(Level):
     def _decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
                 mine: dict[tuple[str, int], np.ndarray], s: int) -> list[np.ndarray]:
         lay, me = self.layout, self.index
-        out = [np.zeros(s, dtype=np.uint8) for _ in range(lay.m)] if me in lost else []
+        out = [aligned_zeros(s) for _ in range(lay.m)] if me in lost else []
         reqs, keep = [], []
         zeros = np.zeros(s, dtype=np.uint8)
         for t in range(lay.k):

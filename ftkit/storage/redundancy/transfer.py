@@ -30,6 +30,7 @@ import xxhash
 from mpi4py import MPI
 
 from ftkit import passes
+from ftkit.buffers import aligned_empty
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.shard import (
@@ -302,7 +303,7 @@ class FileRecv:
             return
         self._fd, self.tmp = create_temp(self.path)
         n = min(CHUNK, self.nbytes)
-        self._bufs = [np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)]
+        self._bufs = [aligned_empty(n), aligned_empty(n)]
         self._post()
 
     def _claim(self) -> tuple[Path, np.ndarray] | None:
@@ -474,7 +475,7 @@ def recv_buffer(dc: DistComm, source: int, phase: str, step: int) -> np.ndarray:
     tag = dc.bulk_tag(step, source, dc.rank)
     size = np.zeros(1, dtype=np.int64)
     dc.waitall_bulk([dc.comm.Irecv([size, MPI.INT64_T], source, tag)], phase, step, 0, [size])
-    buf = np.empty(int(size[0]), dtype=np.uint8)
+    buf = aligned_empty(int(size[0]))
     parts = chunks(buf)
     dc.waitall_bulk([dc.comm.Irecv([c, MPI.BYTE], source, tag) for c in parts], phase, step,
                     len(buf), [buf, *parts])
