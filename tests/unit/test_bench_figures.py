@@ -175,6 +175,12 @@ def test_pfs_goal_figures_carry_their_goal_and_direction() -> None:
     stall = figs["pfs[stall vs dcp async_save stall]"]
     assert stall["ratio"] == pytest.approx(0.05) and stall["op"] == "<=" and stall["met"]
     assert figs["pfs[node-local restore vs cold pfs restore]"]["ratio"] == pytest.approx(8.0)
+    assert "pfs[node-local vs cold pfs ceiling]" not in figs                  # not measured
+    bounds = hdf5_vs_dcp.pfs_goals({**t, "local_read_verified": 0.2}, 0.0)
+    ceiling = bounds["node-local vs cold pfs ceiling"]
+    assert ceiling["ratio"] == pytest.approx(10.0) and ceiling["goal"] is None
+    assert bounds["node-local restore vs its bound"]["ratio"] == pytest.approx(0.8)
+    assert ceiling["met"] is None
     memory = figs["pfs[leader memory in a flush (MiB)]"]
     assert memory["value"] == 40.0 and memory["met"] is False                  # <= 16 MiB
     flush = hdf5_vs_dcp.pfs_goals({**t, "fs_write_direct": 0.5}, 0.0)["flush vs disk write+fsync"]
