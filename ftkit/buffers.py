@@ -4,17 +4,18 @@ Bulk bytes reach ftkit's own memory through the kernel: ``preadv`` from node-loc
 and PFS files, and MPI receives, which Open MPI's shared-memory transport copies with
 ``process_vm_readv`` (single copy, CMA). Whether that copy runs at memory speed depends on
 where the *destination* starts: NumPy allocates a large array with ``malloc``, whose block
-starts 16 bytes past a page boundary, and on the x86-64 machines measured here the kernel's
-copy into such a buffer runs at a third of its speed into one aligned to 64 bytes (a 256
-MiB ``preadv`` from tmpfs into a buffer at offset 16: 0.13 s; at offset 64: 0.042 s; an MPI
-receive of 64 MiB: 0.026 s vs 0.0075 s). Copies *out of* misaligned memory (writes, sends)
-are not affected. So every buffer ftkit allocates to be filled by a read or a receive comes
-from :func:`aligned_empty` / :func:`aligned_zeros` (page-aligned), and a read into memory it
-does not own (a live tensor) goes through an aligned bounce when that memory is misaligned
-(:func:`misaligned`), copied out in pieces of :data:`BOUNCE`. What counts is the offset of
-destination and source *relative* to each other, modulo 64: a page-cache page and a shard's
-tensors (at multiples of 64 in their files) line up with an aligned buffer. This module
-imports only NumPy.
+starts 16 bytes past a page boundary, and on the x86-64 machine measured here (AMD EPYC,
+``rep movsb`` copies) the kernel's copy from a 64-byte-aligned source (a page-cache page;
+the tensors of a shard or an HDF5 file start at multiples of 64) into such a buffer runs at
+a third of its speed (256 MiB by ``preadv`` from tmpfs in 4 MiB pieces: 0.132 s into a
+buffer at offset 16, 0.044 s at offsets 0, 32 or 48, or at 16 from a file offset of 16; an
+MPI receive of 64 MiB: 0.026 s vs 0.0075 s). The C library's ``memcpy`` of 256 KiB pieces
+into such memory is as slow; in 4 MiB pieces it takes a streaming path that is not.
+Copies *out of* misaligned memory (writes, sends) are not affected. So every buffer ftkit
+allocates to be filled by a read or a receive comes from :func:`aligned_empty` /
+:func:`aligned_zeros` (page-aligned), and a read into memory it does not own (a live tensor)
+goes through an aligned bounce when that memory is misaligned (:func:`misaligned`), copied
+out in pieces of :data:`BOUNCE`. This module imports only NumPy.
 """
 from __future__ import annotations
 
