@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ftkit import passes
+from ftkit.buffers import aligned_empty
 from ftkit.capture.flatten import TensorLeaf, _torch
 from ftkit.errors import FtkitError
 
@@ -101,7 +102,7 @@ class Stager:
                 owner = _torch().empty(nbytes, dtype=_torch().uint8, pin_memory=True)
                 buf = owner.numpy()
             else:
-                buf = np.empty(nbytes, dtype=np.uint8)
+                buf = aligned_empty(nbytes)      # copies into it run at full speed
             self._buffers[index], self._owners[index] = buf, owner
             self.allocated_bytes += nbytes
         return buf
@@ -277,6 +278,12 @@ def _copy(leaf: TensorLeaf, buf: np.ndarray) -> None:
         return
     passes.count("copy", leaf.nbytes)
     if leaf.kind == "numpy":
+        raw = _bytes(src)
+        if raw is not None:             # every byte, a structured dtype's padding too
+            np.copyto(buf, raw)
+            return
+        if src.dtype.names is not None:     # field by field: padding would be stale bytes
+            buf.fill(0)
         np.copyto(buf.view(src.dtype).reshape(src.shape), src)
         return
     torch = _torch()

@@ -226,3 +226,31 @@ def test_torn_snapshot_error_describes_itself() -> None:
     assert str(err).startswith("tensor model/w (step 3) changed in place")
     assert HINT in str(err)
     assert TornSnapshotError("x", None).step is None
+
+
+_PADDED = np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"]}, align=True)   # 7 pad
+
+
+def test_structured_array_is_staged_byte_for_byte_padding_included() -> None:
+    """A contiguous structured array's padding bytes are copied as they are, not left as
+    whatever the reused staging buffer held (they would land in the shard)."""
+    arr = np.zeros(4, dtype=_PADDED)
+    arr.view(np.uint8)[:] = np.arange(arr.nbytes, dtype=np.uint8)
+    _, leaves = flatten({"a": arr})
+    stager = Stager()
+    stager.buffer(0, arr.nbytes).fill(0x78)            # stale bytes of an earlier step
+    (buf,) = stager.capture(leaves)
+    assert bytes(buf) == arr.tobytes()
+
+
+def test_strided_structured_array_padding_is_zeroed() -> None:
+    base = np.zeros(8, dtype=_PADDED)
+    base.view(np.uint8)[:] = 0xAB
+    arr = base[::2]                                     # not contiguous: copied by field
+    _, leaves = flatten({"a": arr})
+    stager = Stager()
+    stager.buffer(0, leaves[0].nbytes).fill(0x78)
+    (buf,) = stager.capture(leaves)
+    rows = buf.reshape(4, _PADDED.itemsize)
+    assert (rows[:, 0] == 0xAB).all() and (rows[:, 8:] == 0xAB).all()   # the fields
+    assert (rows[:, 1:8] == 0).all()                                     # the padding
