@@ -26,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from ftkit import passes
-from ftkit.buffers import aligned_empty
+from ftkit.buffers import BOUNCE, aligned_empty
 from ftkit.capture.devicecopy import DeviceLanding
 
-#: bytes per piece of a live host tensor (the bounce buffer: a few MiB stay in cache)
-PIECE = 4 << 20
+#: bytes per piece of a live host tensor (the bounce buffer: a few MiB stay in cache; its
+#: copies into live memory are fast at any alignment, :data:`ftkit.buffers.BOUNCE`)
+PIECE = BOUNCE
 
 
 class Abandoned(Exception):
