@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ftkit.comm.dist import describe
 from ftkit.errors import ProtocolTimeout
+from ftkit.injob import flag
 from ftkit.storage.pfs.level import PfsLevel
 
 log = logging.getLogger("ftkit.checkpointer")     # the checkpointer's log: users filter on it
@@ -141,6 +142,10 @@ class Flushes:
             self._abort(str(exc))
             raise
         except Exception as exc:  # noqa: BLE001 - the PFS copy is lost; training goes on
+            if _echo_of_a_lost_peer(exc):
+                log.info("PFS flush of step %d abandoned: a peer rank failed (%s); in-job "
+                         "recovery", step, flag.reason())
+                return
             self._failed(step, describe(exc))
             return
         finally:
@@ -158,3 +163,16 @@ class Flushes:
                 "PFS flush of step %d failed; training continues on the node-local levels "
                 "and the next step due at pfs is flushed as usual: %s", step, reason)
         self._emit("flush-failed", step=step, level="pfs", reason=reason)
+
+
+def _echo_of_a_lost_peer(exc: BaseException) -> bool:
+    """Under in-job recovery, is the flush's error only the echo of a peer's death (a
+    ``PeerLost``, or an MPI error while the watcher confirms a failure within
+    ``CONFIRM_S``)? Then it is failure detection, not a PFS failure: the recovery takes
+    over, and no ``flush-failed`` is recorded for a file system that did nothing wrong."""
+    if not flag.active():
+        return False
+    if flag.tripped() or isinstance(exc, flag.PeerLost):
+        return True
+    from mpi4py import MPI
+    return isinstance(exc, MPI.Exception) and flag.confirm()

@@ -40,14 +40,14 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ftkit.errors import ConfigError, FtkitError
 from ftkit.injob import flag
+from ftkit.injob.deadline import Deadline
 from ftkit.launch.mpiexec import SPARES_ENV
 
 log = logging.getLogger(__name__)
@@ -106,24 +106,29 @@ class InJob:
         sockets.install()
         gen = membership.first_generation(self.n)
         while True:
-            watch = Watch(gen.world, gen.work, gen.logical, self.heartbeat)
+            deadline = Deadline(self.timeout, gen.logical, fall_back)
+            watch = Watch(gen.world, gen.work, gen.logical, self.heartbeat, deadline.arm)
             if gen.logical >= 0:
                 try:
                     ok, result = self._train(train, gen.work)
                 except SystemExit:          # a requested stop: every working rank ends
+                    deadline.cancel()
                     _finish(gen, watch)
                     raise
                 if ok:
+                    deadline.cancel()
                     _finish(gen, watch)
                     return result
             elif self._idle(watch):
+                deadline.cancel()
                 watch.join()
                 if flag.generation():       # an idle spare's finalize hangs as well
                     atexit.register(_bound_finalize)
                 return None
             watch.alarm(flag.reason() or "training failed on this rank")
+            deadline.enter("teardown (abandoning its checkpointers, torch's groups)")
             _teardown()
-            gen = self._recover(gen)
+            gen = self._recover(gen, deadline)
 
     def _train(self, train: Callable[[Any], T], comm: Any) -> tuple[bool, T | None]:
         """(True, result) when ``train`` returned; (False, None) when it failed because a
@@ -150,24 +155,28 @@ class InJob:
                 return False
         return True
 
-    def _recover(self, gen: Any) -> Any:
+    def _recover(self, gen: Any, deadline: Deadline) -> Any:
+        """Shrink and rebuild the generation (:mod:`ftkit.injob.membership`) before
+        ``deadline`` (armed when the failure became known here; cancelled once rebuilt)."""
         from mpi4py import MPI
 
         from ftkit.injob import membership
-        with _deadline(self.timeout, gen.logical):
-            for attempt in range(REBUILD_TRIES):
-                if not flag.generation():
-                    self.faults.fire("in-job-rebuild", None)  # tests: a failure meanwhile
-                try:
-                    rebuilt = membership.rebuild(gen)
-                    break
-                except membership.NotEnoughSpares as exc:
-                    fall_back(str(exc), gen.logical)
-                except MPI.Exception as exc:
-                    log.warning("in-job: shrink %d failed (%s); again", attempt + 1, exc)
-            else:
-                fall_back(f"processes kept failing during {REBUILD_TRIES} recoveries",
-                          gen.logical)
+        deadline.arm()
+        deadline.enter("shrink (the new generation's communicators)")
+        for attempt in range(REBUILD_TRIES):
+            if not flag.generation():
+                self.faults.fire("in-job-rebuild", None)  # tests: a failure meanwhile
+            try:
+                rebuilt = membership.rebuild(gen)
+                break
+            except membership.NotEnoughSpares as exc:
+                fall_back(str(exc), gen.logical)
+            except MPI.Exception as exc:
+                log.warning("in-job: shrink %d failed (%s); again", attempt + 1, exc)
+        else:
+            fall_back(f"processes kept failing during {REBUILD_TRIES} recoveries",
+                      gen.logical)
+        deadline.cancel()
         new = rebuilt.generation
         if gen.logical >= 0 and new.logical < 0:
             _leave_node(gen, rebuilt.assignment.moved)
@@ -175,24 +184,6 @@ class InJob:
             _event(rebuilt, gen)
         flag.next_generation()
         return new
-
-
-@contextlib.contextmanager
-def _deadline(seconds: float, rank: int) -> Iterator[None]:
-    """Bound a recovery (shrink, agreement, new communicators) by ``seconds``
-    (``FTKIT_TIMEOUT``): a process that hangs in it is alive to MPI, so the shrink waits for
-    it, and the heartbeat ring of the old generation is gone; once the time is up this
-    process falls back (:func:`fall_back`, from a timer thread: the main thread is blocked
-    in MPI), and ``ftkit run`` relaunches the job. Local."""
-    why = (f"the recovery did not finish within {seconds:g} s (FTKIT_TIMEOUT): a process "
-           f"hangs in it")
-    timer = threading.Timer(seconds, fall_back, (why, rank))
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 def _leave_node(old: Any, moved: list[int]) -> None:

@@ -19,6 +19,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -56,8 +57,10 @@ class Watch:
     comes from rank 0)."""
 
     def __init__(self, world: MPI.Comm, work: MPI.Comm | None, logical: int = -1,
-                 heartbeat_s: float = 0.0) -> None:
+                 heartbeat_s: float = 0.0,
+                 on_alarm: Callable[[], None] | None = None) -> None:
         self.world, self.work = world, work
+        self._on_alarm = on_alarm               # the recovery deadline's clock starts
         self.done = threading.Event()          # ended by DONE (the job finished)
         self._buf = bytearray(1)
         self._req = world.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=TAG)
@@ -111,6 +114,8 @@ class Watch:
         blocked in a collective. Local; any thread."""
         if flag.trip(why):
             log.warning("in-job: %s", why)
+        if self._on_alarm is not None:
+            self._on_alarm()
         revoke(self.world)
         revoke(self.work)
         sockets.shut_down()

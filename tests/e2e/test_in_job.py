@@ -199,8 +199,8 @@ def test_a_process_hanging_in_the_recovery_falls_back(
     """A working rank killed at a random step; spare process 4 hangs right before its shrink
     (``hang`` fault at ``in-job-rebuild``): alive to MPI, so the other processes' shrink
     waits for it, and no heartbeat watches a recovery. FTKIT_TIMEOUT (8 s) bounds the
-    recovery: the job falls back to a relaunch whose attempt line says why, and ends
-    bit-exact."""
+    recovery: the job falls back to a relaunch whose attempt line says why (and a process's
+    stderr where it was stuck), and ends bit-exact."""
     rng = random.Random()
     step, victim = rng.randrange(5, 30), rng.randrange(N)
     print(f"kill world rank {victim} after step {step}")
@@ -214,6 +214,10 @@ def test_a_process_hanging_in_the_recovery_falls_back(
     assert res.rc == 0, res.tail()
     lines = res.attempt_lines()
     assert len(lines) == 2 and "succeeded" in lines[1], lines
-    assert "the recovery did not finish within 8 s (FTKIT_TIMEOUT)" in lines[0], lines
+    assert "the recovery did not finish within 8 s of the failure (FTKIT_TIMEOUT)" \
+        in lines[0], lines
+    stacks = res.stderr[res.stderr.find("the stacks of its threads:"):]
+    # where each was stuck: the shrink (waiting for the hung spare), or the hang fault
+    assert any(f" in {fn}\n" in stacks for fn in ("rebuild", "_trigger")), res.tail()
     assert not [e for e in res.events() if e["event"] == "in-job"], res.events()
     _check_bitexact(res, reference)

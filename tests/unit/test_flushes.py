@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from ftkit.errors import ProtocolTimeout
 from ftkit.flushes import Flushes
+from ftkit.injob import flag
 
 
 class _Pfs:
@@ -98,6 +100,41 @@ def test_a_lost_peer_during_a_flush_aborts() -> None:
     with pytest.raises(ProtocolTimeout):
         f.schedule(2, busy=False)
     assert len(aborted) == 1 and "flush" in aborted[0]
+
+
+@pytest.fixture
+def in_job() -> Iterator[None]:
+    """This process runs under in-job recovery (a fresh flag, active)."""
+    flag._FLAG.__init__()       # type: ignore[misc]
+    flag.activate()
+    yield
+    flag._FLAG.__init__()       # type: ignore[misc]
+
+
+def test_a_peer_lost_during_a_flush_in_job_is_no_pfs_failure(in_job: None) -> None:
+    """In-job: the MPI error a peer's death causes in the flush's agreement is failure
+    detection (the recovery takes over), not a PFS failure: no flush-failed, no abort."""
+    from mpi4py import MPI
+    pfs = _Pfs()
+    pfs.fail[2] = MPI.Exception(MPI.ERR_IN_STATUS)
+    pfs.fail[4] = flag.PeerLost("phase 'flush' of step 4: a peer rank failed")
+    f, events, aborted = _flushes(pfs)
+    threading.Timer(0.05, flag.trip, ("rank 3 died",)).start()   # the watcher confirms
+    f.schedule(2, busy=False)
+    f.schedule(4, busy=False)
+    assert f.failures == {} and not aborted and events == [] and f.kept == set()
+
+
+def test_an_mpi_error_in_job_without_a_failure_is_a_pfs_failure(
+        in_job: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-job, an MPI error the watcher does not confirm as a failure is a failed flush."""
+    from mpi4py import MPI
+    monkeypatch.setattr(flag, "CONFIRM_S", 0.05)
+    pfs = _Pfs()
+    pfs.fail[2] = MPI.Exception(MPI.ERR_OTHER)
+    f, events, _ = _flushes(pfs)
+    f.schedule(2, busy=False)
+    assert list(f.failures) == [2] and [ev for ev, _ in events] == ["flush-failed"]
 
 
 def test_busy_while_a_background_flush_runs_unless_wait_mode() -> None:

@@ -3,7 +3,6 @@ down, the spare-rank setting, the ULFM launch line and the rank-process finder (
 recovery itself: tests/e2e/test_in_job.py)."""
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import subprocess
@@ -15,13 +14,11 @@ import pytest
 
 from ftkit.errors import ConfigError, LaunchError
 from ftkit.injob import flag, sockets
+from ftkit.injob.deadline import Deadline
 from ftkit.injob.membership import NotEnoughSpares, assign
 from ftkit.injob.resilient import spare_ranks
 from ftkit.launch.mpiexec import MPICH, OPENMPI, SPARES_ENV, MpiexecLauncher
 from ftkit.testing.procs import rank_processes
-
-# the module (ftkit.injob exports its function ``resilient`` under the same name)
-resilient = importlib.import_module("ftkit.injob.resilient")
 
 
 def test_spares_take_the_failed_ranks_in_order() -> None:
@@ -198,28 +195,48 @@ def test_rank_processes_finds_a_job_by_directory_and_rank(tmp_path: Path) -> Non
 
 
 def test_a_recovery_that_hangs_falls_back_at_its_deadline(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A recovery still running after FTKIT_TIMEOUT: the timer thread falls back (aborts
-    the world) naming why, while the recovery itself is still blocked."""
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A recovery still running FTKIT_TIMEOUT after the failure became known: the timer
+    thread writes every thread's stack and falls back (aborts the world) naming the phase
+    the process was stuck in, while the main thread is still blocked."""
     called: list[tuple[str, int]] = []
     fired = threading.Event()
 
     def fake(why: str, rank: int) -> None:
         called.append((why, rank))
         fired.set()
-    monkeypatch.setattr(resilient, "fall_back", fake)
-    with resilient._deadline(0.05, 3):
-        assert fired.wait(10)            # the recovery "hangs" until the deadline fires
-    why = "the recovery did not finish within 0.05 s (FTKIT_TIMEOUT): a process hangs in it"
+    d = Deadline(0.05, 3, fake)
+    d.enter("teardown")
+    d.arm()
+    assert d.armed and fired.wait(10)       # the recovery "hangs" until the deadline fires
+    why = ("the recovery did not finish within 0.05 s of the failure (FTKIT_TIMEOUT): "
+           "this process was still in its teardown")
     assert called == [(why, 3)]
+    err = capfd.readouterr().err
+    assert f"rank 3: {why}; the stacks of its threads:" in err
+    assert "test_a_recovery_that_hangs_falls_back_at_its_deadline" in err   # this thread
+    assert "ftkit-recovery-deadline" in err or "_expire" in err             # the timer's
 
 
-def test_a_recovery_in_time_leaves_no_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_recovery_in_time_leaves_no_timer() -> None:
     called: list[str] = []
-    monkeypatch.setattr(resilient, "fall_back", lambda why, rank: called.append(why))
     before = set(threading.enumerate())
-    with resilient._deadline(30, 0):
-        timers = [t for t in threading.enumerate() if t not in before]
+    d = Deadline(30, 0, lambda why, rank: called.append(why))
+    d.arm()
+    d.arm()                                  # armed once
+    timers = [t for t in threading.enumerate() if t not in before]
+    d.cancel()
+    d.arm()                                  # after the recovery: never again
     for t in timers:
         t.join(5)
-    assert len(timers) == 1 and not timers[0].is_alive() and called == []
+    assert len(timers) == 1 and not timers[0].is_alive() and called == [] and not d.armed
+    assert set(threading.enumerate()) <= before | set(timers)
+
+
+def test_a_deadline_never_armed_never_fires() -> None:
+    """No failure in the generation (the job ended): no timer at all."""
+    called: list[str] = []
+    before = set(threading.enumerate())
+    d = Deadline(0.01, 0, lambda why, rank: called.append(why))
+    d.cancel()
+    assert set(threading.enumerate()) == before and called == [] and not d.armed
