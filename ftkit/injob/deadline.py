@@ -30,8 +30,9 @@ class Deadline:
     returns)."""
 
     def __init__(self, seconds: float, rank: int,
-                 give_up: Callable[[str, int], None]) -> None:
+                 give_up: Callable[[str, int], None], name: str = "") -> None:
         self.seconds, self.rank, self._give_up = seconds, rank, give_up
+        self.name = name or f"rank {rank}"     # who this process is, for the stack dump
         self.phase = "training"         # where the main thread is: said when it expires
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
@@ -69,7 +70,7 @@ class Deadline:
                 return
         why = (f"the recovery did not finish within {self.seconds:g} s of the failure "
                f"(FTKIT_TIMEOUT): this process was still in its {self.phase}")
-        _dump_stacks(f"ftkit: in-job: rank {self.rank}: {why}; the stacks of its threads:")
+        _dump_stacks(f"ftkit: in-job: {self.name}: {why}; the stacks of its threads:")
         self._give_up(why, self.rank)
 
 

@@ -16,7 +16,7 @@ from ftkit.errors import ConfigError, LaunchError
 from ftkit.injob import flag, sockets
 from ftkit.injob.deadline import Deadline
 from ftkit.injob.membership import NotEnoughSpares, assign
-from ftkit.injob.resilient import spare_ranks
+from ftkit.injob.resilient import spare_ranks, who
 from ftkit.launch.mpiexec import MPICH, OPENMPI, SPARES_ENV, MpiexecLauncher
 from ftkit.testing.procs import rank_processes
 
@@ -240,3 +240,37 @@ def test_a_deadline_never_armed_never_fires() -> None:
     d = Deadline(0.01, 0, lambda why, rank: called.append(why))
     d.cancel()
     assert set(threading.enumerate()) == before and called == [] and not d.armed
+
+
+def test_who_names_a_process_the_way_the_attempt_line_does() -> None:
+    """A spare or a rank taken over by a spare is named with its process (the launcher's
+    numbering), never as logical rank 0."""
+    assert who(-1, 5) == "spare process 5"
+    assert who(2, 2) == "rank 2"
+    assert who(2, 4) == "rank 2 (process 4)"
+
+
+def test_the_watch_starts_the_recovery_deadline_when_it_learns_of_a_failure(
+        clean_flag: None) -> None:
+    """Whichever thread trips the flag, the watch's alarm starts the recovery deadline's
+    clock (``on_alarm``): the main thread tripping it (``_peer_failure``), the watcher
+    seeing it and alarming once more (the clock starts once: ``Deadline.arm``)."""
+    from mpi4py import MPI
+
+    from ftkit.injob.watch import Watch
+    world = MPI.COMM_SELF.Dup()
+    started: list[float] = []
+    fired: list[str] = []
+    d = Deadline(30, 0, lambda why, rank: fired.append(why))
+    try:
+        watch = Watch(world, None, 0, 0.0, lambda: (started.append(time.monotonic()),
+                                                   d.arm()))
+        assert not started and not d.armed           # no failure: no clock
+        flag.trip("rank 1 died")                     # as the training loop's error does
+        watch.join(10)
+        assert started and d.armed and flag.reason() == "rank 1 died"
+        watch.alarm("again")                         # the main thread's alarm: no new clock
+        assert d.armed and not fired
+    finally:
+        d.cancel()
+        world.Free()
