@@ -399,10 +399,14 @@ class Checkpointer:
             self._result(pending, "background checkpoint")
 
     def _result(self, future: cf.Future[None], what: str) -> None:
+        """Wait for ``future`` (PeerLost at once under in-job recovery once a peer failed)
+        and raise its error; abort the world past ``_patience``. Local."""
         try:
-            future.result(timeout=self._patience)
+            injob.wait_done(future, self._patience, what, self.dc.generation)
         except cf.TimeoutError:
             self._abort(f"{what} did not finish within {self._patience:g} s")
+            return                       # a test's abort returns; MPI's does not
+        future.result()
 
     def _capture(self, step: int, levels: tuple[str, ...], state: State) -> Snapshot:
         """Flatten ``state`` and stage its tensors: CPU tensors straight into a reserved

@@ -126,7 +126,7 @@ class Flushes:
             self._flush(step)
             return
         for older in list(self._futures):
-            older.exception(timeout=self._patience())
+            flag.wait_done(older, self._patience(), f"the PFS flush before step {step}")
         self.kept.add(step)
         self._futures.append(self._thread.submit(self._flush, step))
 

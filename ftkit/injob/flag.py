@@ -11,6 +11,7 @@ so every ftkit module may ask it.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
 import weakref
@@ -99,6 +100,31 @@ def check(what: str, generation: int | None = None) -> None:
     if generation is not None and generation != _FLAG.generation:
         raise PeerLost(f"{what}: abandoned (generation {generation}, now "
                        f"{_FLAG.generation}) after a peer failed; in-job recovery")
+
+
+#: seconds between two looks at the flag while a thread waits for another's future
+FUTURE_POLL_S = 0.05
+
+
+def wait_done(future: cf.Future[Any], timeout: float, what: str,
+              generation: int | None = None) -> None:
+    """Block until ``future`` is done, up to ``timeout`` seconds
+    (``concurrent.futures.TimeoutError`` after). Under in-job recovery it looks at the flag
+    every :data:`FUTURE_POLL_S` and raises :class:`PeerLost` (see :func:`check`) once a
+    failure is known: a thread waiting for another must not sit out its patience after a
+    peer died, whatever the other thread is blocked in. Does not fetch the result."""
+    if not _FLAG.active:
+        cf.wait([future], timeout=timeout)
+    else:
+        end = time.monotonic() + timeout
+        while not future.done():
+            check(what, generation)
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            cf.wait([future], timeout=min(FUTURE_POLL_S, left))
+    if not future.done():
+        raise cf.TimeoutError(f"{what}: not done within {timeout:g} s")
 
 
 def generation() -> int:

@@ -122,12 +122,14 @@ class InJob:
                     deadline.cancel()
                     _finish(gen, watch)
                     return result
-            elif self._idle(watch):
-                deadline.cancel()
-                watch.join()
-                if flag.generation():       # an idle spare's finalize hangs as well
-                    atexit.register(_bound_finalize)
-                return None
+            else:
+                deadline.enter("wait as a spare")
+                if self._idle(watch):
+                    deadline.cancel()
+                    watch.join()
+                    if flag.generation():   # an idle spare's finalize hangs as well
+                        atexit.register(_bound_finalize)
+                    return None
             watch.alarm(flag.reason() or "training failed on this rank")
             deadline.enter("teardown (abandoning its checkpointers, torch's groups)")
             _teardown()

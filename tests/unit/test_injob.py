@@ -274,3 +274,36 @@ def test_the_watch_starts_the_recovery_deadline_when_it_learns_of_a_failure(
     finally:
         d.cancel()
         world.Free()
+
+
+def test_a_wait_for_another_thread_ends_when_a_peer_fails(clean_flag: None) -> None:
+    """In-job: a thread waiting for another thread's future (the training loop for the
+    checkpoint thread, that one for the flush) raises PeerLost as soon as the flag trips,
+    whatever the other thread is blocked in, not after its patience."""
+    import concurrent.futures as cf
+    flag.activate()
+    never: cf.Future[None] = cf.Future()
+    threading.Timer(0.1, flag.trip, ("rank 3 died",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(flag.PeerLost, match="the background checkpoint: a peer rank failed"):
+        flag.wait_done(never, 60, "the background checkpoint")
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_wait_for_another_thread_keeps_its_timeout_and_result(clean_flag: None) -> None:
+    """Without a failure (in-job or not): done futures return at once without fetching the
+    result (the caller does), a future never done raises TimeoutError at the timeout; an
+    abandoned Checkpointer's wait (an older generation) ends with PeerLost."""
+    import concurrent.futures as cf
+    done: cf.Future[None] = cf.Future()
+    done.set_exception(ValueError("the checkpoint's own error"))
+    never: cf.Future[None] = cf.Future()
+    for active in (False, True):
+        if active:
+            flag.activate()
+        flag.wait_done(done, 1, "x")                     # its error is the caller's to fetch
+        with pytest.raises(cf.TimeoutError):
+            flag.wait_done(never, 0.12, "x")
+    flag.next_generation()
+    with pytest.raises(flag.PeerLost, match="abandoned"):
+        flag.wait_done(never, 60, "x", generation=0)
