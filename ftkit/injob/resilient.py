@@ -162,11 +162,11 @@ class InJob:
 
     def _recover(self, gen: Any, deadline: Deadline) -> Any:
         """Shrink and rebuild the generation (:mod:`ftkit.injob.membership`) before
-        ``deadline`` (armed when the failure became known here; cancelled once rebuilt)."""
+        ``deadline`` (armed by the watch's alarm when the failure became known here, which
+        :meth:`run` sounds before every recovery; cancelled once rebuilt)."""
         from mpi4py import MPI
 
         from ftkit.injob import membership
-        deadline.arm()
         deadline.enter("shrink (the new generation's communicators)")
         for attempt in range(REBUILD_TRIES):
             if not flag.generation():
