@@ -433,6 +433,8 @@ class Checkpointer:
                 # copies only, the checksums run in the background
                 self.local.release(self._keep(step))
                 into = self.local.reserve(step, snap.meta, tree, leaves)
+                if into is not None and "pfs" in levels:
+                    self.flushes.write_early(step, into)   # the PFS file, as tensors land
             snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
                                                              step=step, into=into)
         except Exception as exc:  # noqa: BLE001 - this rank votes no
@@ -454,6 +456,14 @@ class Checkpointer:
         return deferrable
 
     def _protocol(self, snap: Snapshot) -> None:
+        """Phases 2-7 of ``snap`` (all ranks call, on the checkpoint thread when async):
+        its early PFS write, when the flush did not take it, is given up at the end."""
+        try:
+            self._run_protocol(snap)
+        finally:
+            self.flushes.discard_early()
+
+    def _run_protocol(self, snap: Snapshot) -> None:
         if snap.staging is not None:
             try:
                 error = snap.staging.wait(timeout=self._patience)

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from ftkit.comm.dist import describe
 from ftkit.errors import ProtocolTimeout
 from ftkit.injob import flag
+from ftkit.storage.pfs.early import EarlyWrite
 from ftkit.storage.pfs.level import PfsLevel
+from ftkit.storage.slots import Reservation
 
 log = logging.getLogger("ftkit.checkpointer")     # the checkpointer's log: users filter on it
 
@@ -39,6 +41,8 @@ class Flushes:
         self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-flush") \
             if background and pfs is not None else None
         self._futures: collections.deque[cf.Future[None]] = collections.deque()
+        self._early_pool: cf.ThreadPoolExecutor | None = None
+        self._early: EarlyWrite | None = None   # the newest capture's early write
         self.kept: set[int] = set()             # being flushed or delayed: retention keeps them
         self.delayed: int | None = None         # committed step whose flush waits its turn
         self.failures: dict[int, str] = {}      # step -> why its PFS flush failed (agreed)
@@ -49,6 +53,26 @@ class Flushes:
         ``wait_mode``, where the next flush waits for it instead). Local."""
         pending = list(self._futures)        # one atomic copy: the training thread pops
         return not self._wait_mode and any(not f.done() for f in pending)
+
+    def write_early(self, step: int, res: Reservation) -> None:
+        """The capture of ``step``, due at ``pfs``, fills the slot ``res``: start its early
+        write (``PfsLevel.write_early``) when no flush of this rank is running (else the
+        flush writes the file after the commit, as always). Adopted by the flush of
+        ``step`` when it starts right after the commit, else discarded
+        (:meth:`discard_early`). Local (checkpoint or training thread)."""
+        self.discard_early()
+        if self.pfs is None or any(not f.done() for f in list(self._futures)):
+            return
+        if self._early_pool is None:
+            self._early_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-early")
+        self._early = self.pfs.write_early(step, res, self._early_pool, self._patience())
+
+    def discard_early(self) -> None:
+        """Give up the early write no flush took (the step was not committed, or its flush
+        was delayed or skipped). Local."""
+        early, self._early = self._early, None
+        if early is not None:
+            early.discard()
 
     def schedule(self, due: int | None, busy: bool) -> None:
         """Back-pressure, after a commit (checkpoint thread). ``due``: the committed step
@@ -95,8 +119,11 @@ class Flushes:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the flush thread (after :meth:`finish`; ``wait=False``: let a flush in
         progress end on its own, as an abandoned one does under in-job recovery). Local."""
+        self.discard_early()
         if self._thread is not None:
             self._thread.shutdown(wait=wait)
+        if self._early_pool is not None:
+            self._early_pool.shutdown(wait=wait)
 
     def report_unflushed(self, last_committed: int | None) -> None:
         """Rank 0, at close: an ERROR when the newest PFS flush attempted failed, so the
@@ -122,22 +149,25 @@ class Flushes:
         """Flush committed ``step``: on the flush thread when there is one, else right here.
         The previous flush has finished (:meth:`schedule`), or, in ``wait_mode``, this
         (checkpoint) thread waits for it here."""
+        early = self._early if self._early is not None and self._early.step == step \
+            else None
+        self._early = None if early is not None else self._early
         if self._thread is None:
-            self._flush(step)
+            self._flush(step, early)
             return
         for older in list(self._futures):
             flag.wait_done(older, self._patience(), f"the PFS flush before step {step}")
         self.kept.add(step)
-        self._futures.append(self._thread.submit(self._flush, step))
+        self._futures.append(self._thread.submit(self._flush, step, early))
 
-    def _flush(self, step: int) -> None:
+    def _flush(self, step: int, early: EarlyWrite | None = None) -> None:
         """``PfsLevel.flush`` agrees its outcome, so every rank sees the same failure; a
         failure degrades the job (:meth:`_failed`), it is never raised. A ProtocolTimeout
         (a rank lost or hung) is failure detection, not a PFS failure: it aborts the
         world."""
         assert self.pfs is not None
         try:
-            seconds = self.pfs.flush(step)
+            seconds = self.pfs.flush(step, early_write=early)
         except ProtocolTimeout as exc:
             self._abort(str(exc))
             raise

@@ -183,6 +183,9 @@ class LocalLevel(Level):
         except OSError as exc:
             raise StorageError(str(path), exc, rank=self.rank, step=step, level=self.name) \
                 from exc
+        finally:
+            if reserved is not None:
+                reserved[1].drop()      # a tensor that has not landed now never will
         self.faults.after_write(path, level=self.name, step=step)
 
     def close(self) -> None:

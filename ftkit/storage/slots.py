@@ -39,7 +39,8 @@ import os
 import re
 import secrets
 import stat
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +65,17 @@ SLOTS = "slots"
 #: slots one rank may hold (two versions, one more while a PFS flush reads an older one,
 #: one spare); beyond it a shard is written as a plain new file
 MAX_SLOTS = 4
-_PLACEHOLDER = XXH3 + "0" * 16
+#: the checksum a reserved header holds until the tensor landed (same length as any)
+PLACEHOLDER = XXH3 + "0" * 16
 #: ``rank-<r>.<k>.slot`` (rank r's own shards), ``rank-<r>.<what>-<i>.<k>.slot`` (files of
 #: a redundancy level rank r holds: ``partner-<q>`` the copies of rank q's shard,
 #: ``xor-<set>`` / ``rs-<set>`` its parity of an erasure set)
 _OF = r"[a-z]+-\d+"
 _SLOT_NAME = re.compile(rf"rank-(\d+)(?:\.{_OF})?\.\d+\.slot")
+
+
+class NotLanding(Exception):
+    """A tensor awaited in a reservation will not land: the snapshot was given up."""
 
 
 @dataclass
@@ -93,15 +99,42 @@ class Reservation:
     head_len: int
     offsets: list[int]
     sums: list[str | None]          # checksum of each tensor already copied in, else None
+    _landed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _dropped: bool = False
 
     def copy_in(self, index: int, src: np.ndarray) -> None:
         """Copy tensor ``index``'s bytes ``src`` into its place, hashing as they land."""
-        self.sums[index] = copy_hashed(self.view(index), src)
+        self._land(index, copy_hashed(self.view(index), src))
 
     def hash_in_place(self, index: int) -> None:
         """Checksum tensor ``index``'s bytes already copied into its place (a ``hash``
         pass)."""
-        self.sums[index] = checksum(self.view(index))
+        self._land(index, checksum(self.view(index)))
+
+    def _land(self, index: int, digest: str) -> None:
+        with self._landed:
+            self.sums[index] = digest
+            self._landed.notify_all()
+
+    def drop(self) -> None:
+        """The snapshot will not be completed (a failed capture, an aborted step): every
+        :meth:`wait_landed` raises :class:`NotLanding` now instead of waiting on."""
+        with self._landed:
+            self._dropped = True
+            self._landed.notify_all()
+
+    def wait_landed(self, index: int) -> str:
+        """Block until tensor ``index`` is in its place and hashed; its checksum. Raises
+        :class:`NotLanding` once the reservation was dropped (:meth:`drop`). Any thread."""
+        with self._landed:
+            while True:
+                digest = self.sums[index]
+                if digest is not None:
+                    return digest
+                if self._dropped:
+                    raise NotLanding(f"{self.slot}: the snapshot of tensor "
+                                     f"{self.leaves[index].path!r} was given up")
+                self._landed.wait()
 
     def view(self, index: int) -> np.ndarray:
         """Writable uint8 view of tensor ``index``'s bytes in the slot."""
@@ -148,7 +181,7 @@ class Slots:
         stored in ``sums``) before :meth:`finish`. None when no slot may be used. The slot
         stays free (named by no step) until :meth:`finish` publishes it; only one
         reservation of a rank is in use at a time."""
-        head, offsets = layout(meta, tree, leaves, [_PLACEHOLDER] * len(leaves))
+        head, offsets = layout(meta, tree, leaves, [PLACEHOLDER] * len(leaves))
         size = offsets[-1] + leaves[-1].nbytes if leaves else len(preamble(head))
         slot = self._free(size)
         if slot is None:

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 STREAM_LEVELS = ("partner", "xor", "rs")
 KINDS = ("kill", "exit", "raise", "hang", "corrupt", "node")
 PHASES = ("between", "capture", "write-local", "encode", "vote", "decide", "announce", "commit",
-          "flush",
+          "flush", "flush-early",
           "restore-discover", "restore-rebuild", "restore-load", "in-job-rebuild")
 KEYS = ("rank", "node", "step", "phase", "level", "attempt", "code")
 _INT_KEYS = ("rank", "node", "step", "attempt", "code")

@@ -6,6 +6,7 @@ step 3 once step 1's flush is done. Events ``flush-delayed`` and ``flush-skipped
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from ftkit import Checkpointer, Config
 from ftkit.storage.pfs.level import PfsLevel
@@ -20,10 +21,10 @@ def test_a_running_flush_delays_then_skips_newer_steps(ftkit_env, monkeypatch) -
     release = threading.Event()
     real_flush = PfsLevel.flush
 
-    def held_flush(self: PfsLevel, step: int) -> float:
+    def held_flush(self: PfsLevel, step: int, **kw: Any) -> float:
         if step == 1:
             assert release.wait(HOLD_S), "the flush of step 1 was never released"
-        return real_flush(self, step)
+        return real_flush(self, step, **kw)
     monkeypatch.setattr(PfsLevel, "flush", held_flush)
     with topology() as topo:
         ckpt = Checkpointer(topo, Config.load(async_=True, levels="local:1,pfs:1"))

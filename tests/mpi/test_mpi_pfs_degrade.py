@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ftkit import Checkpointer, Config
+from ftkit.storage.pfs.level import PfsLevel
 
 from .mpi_helpers import (
     RANK,
@@ -77,11 +78,16 @@ def committed_pfs_steps(pfs_job: Path) -> list[int]:
     (False, "corrupt:rank=1:step=2:level=local", "node-local shard is corrupt"),
 ], ids=["async-raise", "sync-damaged-shard"])
 def test_failed_flush_is_a_warning_and_the_next_pfs_step_is_flushed(
-        ftkit_env, ckpt_log, async_, faults, cause):
+        ftkit_env, ckpt_log, monkeypatch, async_, faults, cause):
     """``local:1,pfs:2``, steps 1-6; the flush of step 2 fails. Steps 3-6 commit, no save and
     no close raises, every rank logs the failure once (rank 0 at WARNING), the failure is a
     ``flush-failed`` event, steps 4 and 6 are flushed and committed on the PFS, step 2 is
-    not, and no temporary file is left on the PFS."""
+    not, and no temporary file is left on the PFS. The damaged shard is read by a flush
+    that writes from the committed shard (no early write: a delayed flush's way); an early
+    write copies the slot's bytes before the fault strikes, or refuses them
+    (``test_pfs_early.py``)."""
+    if "corrupt" in faults:
+        monkeypatch.setattr(PfsLevel, "write_early", lambda *a, **kw: None)
     with topology() as topo:
         ckpt = Checkpointer(topo, Config.load(async_=async_, levels="local:1,pfs:2",
                                               faults=faults, log_level="INFO"))

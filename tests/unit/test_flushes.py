@@ -17,6 +17,16 @@ from ftkit.flushes import Flushes
 from ftkit.injob import flag
 
 
+class _Early:
+    """An early write: records whether it was given up."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.discarded = step, False
+
+    def discard(self, wait: float = 0.0) -> None:
+        self.discarded = True
+
+
 class _Pfs:
     """Records the steps flushed; ``fail``: step -> exception raised instead; ``hold``: step
     -> event the flush waits for."""
@@ -26,8 +36,15 @@ class _Pfs:
         self.fail: dict[int, Exception] = {}
         self.hold: dict[int, threading.Event] = {}
         self.pruned: list[int] = []
+        self.adopted: list[Any] = []          # the early write each flush was given
+        self.early: list[_Early] = []         # every early write started
 
-    def flush(self, step: int) -> float:
+    def write_early(self, step: int, res: Any, pool: Any, patience: float) -> _Early:
+        self.early.append(_Early(step))
+        return self.early[-1]
+
+    def flush(self, step: int, early_write: Any = None) -> float:
+        self.adopted.append(early_write)
         if step in self.hold:
             assert self.hold[step].wait(30), f"flush of step {step} never released"
         if step in self.fail:
@@ -169,3 +186,28 @@ def test_wait_mode_starts_the_next_flush_after_the_previous_one() -> None:
     f.finish(_wait)
     f.shutdown()
     assert pfs.flushed == [1, 2] and [ev for ev, _ in events] == ["flush", "flush"]
+
+
+def test_an_early_write_is_adopted_by_its_own_flush_only() -> None:
+    """The flush that starts right after the commit takes the step's early write; a delayed
+    flush does not (the early write is given up: the delayed flush writes from the shard),
+    and no early write starts while a flush of this rank runs."""
+    pfs = _Pfs()
+    f, _, _ = _flushes(pfs, background=True)
+    f.write_early(1, res=None)                    # type: ignore[arg-type]
+    pfs.hold[1] = threading.Event()
+    f.schedule(1, busy=False)
+    f.discard_early()                             # what the end of the protocol does
+    assert [e.step for e in pfs.early] == [1] and not pfs.early[0].discarded
+    f.write_early(2, res=None)                    # type: ignore[arg-type]
+    assert len(pfs.early) == 1                    # flush of step 1 still runs: none
+    pfs.hold[1].set()
+    f.finish(_wait)
+    assert pfs.adopted == [pfs.early[0]]
+    f.write_early(3, res=None)                    # type: ignore[arg-type]
+    f.schedule(3, busy=True)                      # another rank's flush runs: delayed
+    f.discard_early()
+    assert pfs.early[1].step == 3 and pfs.early[1].discarded
+    f.finish(_wait)                               # the delayed step, from its shard
+    f.shutdown()
+    assert pfs.flushed == [1, 3] and pfs.adopted == [pfs.early[0], None]

@@ -33,9 +33,9 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -54,6 +54,22 @@ from ftkit.storage.shard import (
     fsync_dir,
     write_atomic,
 )
+
+
+class ShardData(Protocol):
+    """What a rank group is written from: a :class:`~ftkit.storage.shard.Shard`, or the
+    tentative snapshot an early write reads (:class:`ftkit.storage.pfs.early.LandingShard`).
+    ``raw(i)`` may block until tensor ``i`` is there; ``tensors[i]["checksum"]`` holds its
+    checksum once ``raw(i)`` returned."""
+
+    path: Path
+    header: dict[str, Any]
+
+    @property
+    def tensors(self) -> list[dict[str, Any]]: ...
+
+    def raw(self, index: int) -> np.ndarray: ...
+
 
 FORMAT = "ftkit-hdf5-2"
 INDEX = "ftkit.h5"
@@ -224,7 +240,7 @@ def reason(exc: BaseException) -> str:
 
 # --------------------------------------------------------------------------- writing
 
-def write_rank_group(h5: Any, shard: Shard, topology: dict[str, Any], sink: H5Sink
+def write_rank_group(h5: Any, shard: ShardData, topology: dict[str, Any], sink: H5Sink
                      ) -> None:
     """Write one rank's shard as ``/rank/<r>`` into an open h5py file, verifying every
     tensor's bytes against the shard's checksum on the way (CorruptCheckpointError: the
@@ -280,7 +296,7 @@ def tensor_attrs(header: dict[str, Any], index: int) -> dict[str, Any]:
     return attrs
 
 
-def _write_tensor(grp: Any, name: str, shard: Shard, i: int, sink: H5Sink,
+def _write_tensor(grp: Any, name: str, shard: ShardData, i: int, sink: H5Sink,
                   hasher: cf.ThreadPoolExecutor) -> None:
     """Tensor ``i`` of ``shard`` as dataset ``name`` of ``grp``, checked, with its attributes."""
     t = shard.tensors[i]
@@ -328,7 +344,7 @@ def create_unfilled(grp: Any, name: str, t: dict[str, Any]) -> Any:
     return ds
 
 
-def fill_tensor(shard: Shard, index: int, offset: int, sink: H5Sink,
+def fill_tensor(shard: ShardData, index: int, offset: int, sink: H5Sink,
                 hasher: cf.ThreadPoolExecutor, *, with_blocks: bool = True) -> list[int]:
     """Write tensor ``index`` of ``shard`` at ``offset`` of the file under ``sink`` from the
     mapped shard in :data:`RAW_PIECE` pieces (``O_DIRECT`` where the file system allows:
@@ -373,7 +389,7 @@ def _hashed_pieces(raw: np.ndarray, h: Any, hasher: cf.ThreadPoolExecutor,
         yield at, raw[at:at + RAW_PIECE]
 
 
-def corrupt_shard(shard: Shard, t: dict[str, Any]) -> CorruptCheckpointError:
+def corrupt_shard(shard: ShardData, t: dict[str, Any]) -> CorruptCheckpointError:
     h = shard.header
     return CorruptCheckpointError(
         str(shard.path), f"tensor {t['path']!r} does not match its checksum {t['checksum']}: "
@@ -417,16 +433,22 @@ def _write_atomic(path: Path, fill: Callable[[Any, H5Sink], None]) -> dict[str, 
     return digest
 
 
+def _ranks_fill(shards: Sequence[ShardData], topology: dict[int, dict[str, Any]]
+                ) -> Callable[[Any, H5Sink], None]:
+    """What fills a file holding the rank groups of ``shards``."""
+    def fill(h5: Any, sink: H5Sink) -> None:
+        h5.attrs["format"] = FORMAT
+        for shard in shards:
+            write_rank_group(h5, shard, topology[shard.header["rank"]], sink)
+    return fill
+
+
 def write_node_file(path: Path, shards: list[Shard], topology: dict[int, dict[str, Any]]
                     ) -> dict[str, Any]:
     """Write a file holding the rank groups of ``shards`` atomically (the layout of node
     files before rank files existed, still read; a rank file holds one); a corrupt shard
     raises CorruptCheckpointError and leaves no file. Returns its file digest."""
-    def fill(h5: Any, sink: H5Sink) -> None:
-        h5.attrs["format"] = FORMAT
-        for shard in shards:
-            write_rank_group(h5, shard, topology[shard.header["rank"]], sink)
-    return _write_atomic(path, fill)
+    return _write_atomic(path, _ranks_fill(shards, topology))
 
 
 def write_rank_file(path: Path, shard: Shard, topology: dict[str, Any]) -> dict[str, Any]:
@@ -434,6 +456,13 @@ def write_rank_file(path: Path, shard: Shard, topology: dict[str, Any]) -> dict[
     atomically, its tensors checked against the shard's checksums on the way (a corrupt shard
     raises CorruptCheckpointError and leaves no file). Returns its file digest."""
     return write_node_file(path, [shard], {shard.header["rank"]: topology})
+
+
+def write_rank_temp(path: Path, shard: ShardData, topology: dict[str, Any]
+                    ) -> tuple[Path, dict[str, Any]]:
+    """:func:`write_rank_file`'s content under a temp name beside ``path``
+    (:func:`write_temp`), left for the caller to rename: the temp path and its digest."""
+    return write_temp(path, _ranks_fill([shard], {shard.header["rank"]: topology}))
 
 
 def write_node_links(path: Path, ranks: list[int]) -> dict[str, Any]:

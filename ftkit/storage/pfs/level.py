@@ -26,6 +26,10 @@ Flush of step ``s`` (phase ``flush``; runs on its own thread and communicators r
    — only now, after a newer step is committed — and its reaper thread deletes their files
    behind the training (:mod:`ftkit.storage.pfs.retention`).
 
+A rank whose early write of the step ran (:mod:`ftkit.storage.pfs.early`: its file written
+from the tentative snapshot while it was captured) renames that file into place in 1 instead
+of writing it.
+
 A crash anywhere before 3 leaves a step without ``COMMITTED``, which restore ignores and
 ``inspect`` shows as incomplete — never a mix of two timelines under one record. An agreed
 failure (a full or failing PFS) makes rank 0 remove the incomplete step directory; the next
@@ -33,6 +37,7 @@ flush removes what a crash left.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import shutil
 import time
@@ -45,9 +50,11 @@ from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.local import LocalLevel
-from ftkit.storage.pfs import h5shared, hdf5
+from ftkit.storage.pfs import early, h5shared, hdf5
+from ftkit.storage.pfs.early import EarlyWrite
 from ftkit.storage.pfs.retention import Reaper, retract_steps
 from ftkit.storage.shard import Shard, fsync_dir
+from ftkit.storage.slots import Reservation
 from ftkit.storage.stepnames import step_dirs, step_name
 from ftkit.testing.faults import Faults
 
@@ -66,6 +73,7 @@ class PfsLevel:
         self.run_id = run_id              # written as ``run`` in the index and COMMITTED
         self.dc = dc                      # world (a DistComm of the PFS level's own)
         self.pruned: list[int] = []       # rank 0: steps the last flush's retention removed
+        self.adopted: list[int] = []      # steps whose file of this rank was its early write
         self._reaper = Reaper()           # rank 0: deletes retired steps' files
         self.shared = config.pfs_files == "shared"     # one file of all ranks (h5shared)
         hdf5._h5py()      # import h5py now, not on the restore path of a relaunched job
@@ -88,10 +96,29 @@ class PfsLevel:
                  if (p / "COMMITTED").is_file()]
         return sorted(steps, reverse=True)
 
-    def flush(self, step: int) -> float:
+    def write_early(self, step: int, res: Reservation, pool: cf.ThreadPoolExecutor,
+                    patience: float) -> EarlyWrite | None:
+        """Start this rank's early write of ``step`` from the reservation its capture fills
+        (:mod:`ftkit.storage.pfs.early`), after removing what its previous early write left;
+        None (logged) when the staging directory cannot be had: the flush then writes the
+        file itself. Per-rank files only. Local."""
+        if self.shared:
+            return None
+        try:
+            staging = early.staging_dir(self.config.job_pfs_dir)
+        except OSError as exc:
+            log.debug("rank %d: no early PFS write of step %d: %s", self.topo.rank, step, exc)
+            return None
+        early.remove_stale(staging, {self.topo.rank})
+        return EarlyWrite(step, res, staging, self.topo.rank, self._coords(self.topo.rank),
+                          pool, self.faults, patience)
+
+    def flush(self, step: int, early_write: EarlyWrite | None = None) -> float:
         """Write committed ``step`` to HDF5 (see module doc). All ranks call; returns
         seconds; raises the same CheckpointError everywhere on failure, after rank 0 removed
-        the incomplete step directory (a full PFS gets its space back, no temp file stays)."""
+        the incomplete step directory (a full PFS gets its space back, no temp file stays).
+        ``early_write``: this rank's early write of ``step``, adopted as its file (or, when
+        the flush fails before, discarded)."""
         t0 = time.monotonic()
 
         def prepare() -> int:        # everything that can fail locally, before any exchange
@@ -103,10 +130,14 @@ class PfsLevel:
             if why is not None:
                 raise FileNotFoundError(f"{path}: {why}")
             return path.stat().st_size
-        size = self._agreed(prepare, step) or 0
-        written = self._agreed(lambda: self._write_files(step), step,
-                               allow_bytes=io_allowance(self.dc, self.topo, size, "flush",
-                                                        step))
+        try:
+            size = self._agreed(prepare, step) or 0
+            written = self._agreed(lambda: self._write_files(step, early_write), step,
+                                   allow_bytes=io_allowance(self.dc, self.topo, size, "flush",
+                                                            step))
+        finally:
+            if early_write is not None:
+                early_write.discard()          # not adopted: the flush failed before
         digests = self.dc.gather(written, "flush", step)
         self._agreed(lambda: self._commit(step, digests) if digests is not None else None, step)
         seconds = time.monotonic() - t0
@@ -167,12 +198,15 @@ class PfsLevel:
                 shutil.rmtree(d, ignore_errors=True)
         for tmp in self.step_dir(step).glob(".*.tmp"):
             tmp.unlink(missing_ok=True)
+        early.remove_stale(self.config.job_pfs_dir / early.STAGING, beyond=self.topo.world)
 
-    def _write_files(self, step: int) -> list[dict[str, Any]]:
+    def _write_files(self, step: int, early_write: EarlyWrite | None = None
+                     ) -> list[dict[str, Any]]:
         """Write this rank's file ``rank-<r>.h5`` straight from its node-local shard (all
-        ranks at once, no data crosses the network); the node leader also writes the node's
-        link file ``node-<id>.h5``. Returns ``[{"file", "digest"}]`` of what this rank wrote.
-        With shared files, this rank's part of the shared file instead (all ranks call)."""
+        ranks at once, no data crosses the network), or adopt ``early_write``'s; the node
+        leader also writes the node's link file ``node-<id>.h5``. Returns
+        ``[{"file", "digest"}]`` of what this rank wrote. With shared files, this rank's part
+        of the shared file instead (all ranks call)."""
         if self.shared:
             return self._write_shared(step)
         t = self.topo
@@ -182,11 +216,15 @@ class PfsLevel:
             written.append({"file": node_file.name,
                             "digest": hdf5.write_node_links(node_file, t.ranks_on(t.node))})
         rank_file = self.step_dir(step) / f"rank-{t.rank}.h5"
-        shard = Shard.open(self.local.shard_path(step), rank=t.rank, step=step)
-        try:
-            digest = hdf5.write_rank_file(rank_file, shard, self._coords(t.rank))
-        finally:
-            shard.close()
+        if early_write is not None:
+            digest = early_write.adopt(rank_file)
+            self.adopted.append(step)
+        else:
+            shard = Shard.open(self.local.shard_path(step), rank=t.rank, step=step)
+            try:
+                digest = hdf5.write_rank_file(rank_file, shard, self._coords(t.rank))
+            finally:
+                shard.close()
         self.faults.after_write(rank_file, level=self.name, step=step)
         written.append({"file": rank_file.name, "digest": digest})
         return written
