@@ -55,6 +55,7 @@ from ftkit.recovery import restore as recovery
 from ftkit.recovery.claim import JobClaim
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel, write_record
+from ftkit.storage.pfs import early
 from ftkit.storage.pfs.level import PfsLevel
 from ftkit.storage.pfs.retention import remove_steps
 from ftkit.testing.faults import Faults
@@ -112,6 +113,10 @@ class Checkpointer:
         self.run_id = self.claim.take()
         self.identity = {"job": config.job, "run": self.run_id, "nodes": list(topo.rank_node),
                          "layout": {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp}}
+        if topo.rank == 0 and config.interval("pfs"):
+            # what a crashed attempt's early writes left; before the next collective, so no
+            # rank's early write has started
+            early.remove_stale(config.job_pfs_dir / early.STAGING, beyond=0)
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
                             self.faults, run_id=self.run_id) if config.interval("pfs") else None
@@ -433,8 +438,9 @@ class Checkpointer:
                 # copies only, the checksums run in the background
                 self.local.release(self._keep(step))
                 into = self.local.reserve(step, snap.meta, tree, leaves)
-                if into is not None and "pfs" in levels:
-                    self.flushes.write_early(step, into)   # the PFS file, as tensors land
+                snap.into = into
+                if self._pool is None:
+                    self._write_early(snap)      # the PFS file, as the tensors land
             snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
                                                              step=step, into=into)
         except Exception as exc:  # noqa: BLE001 - this rank votes no
@@ -473,6 +479,8 @@ class Checkpointer:
                 log.error("rank %d: staging of step %d failed: %s", self.topo.rank, snap.step,
                           describe(error))
                 snap.failure = describe(error)
+        if self._pool is not None:
+            self._write_early(snap)        # async: after the staging the training waits for
         try:
             out = self.proto.run(snap)
         except (ProtocolTimeout, ProtocolMismatch) as exc:
@@ -488,6 +496,15 @@ class Checkpointer:
         raise_if_failed(out)
         if self.pfs is not None:
             self.flushes.schedule(snap.step if "pfs" in snap.levels else None, out.flush_busy)
+
+    def _write_early(self, snap: Snapshot) -> None:
+        """Start the early PFS write of ``snap`` (``Flushes.write_early``) when it is due at
+        ``pfs`` and captured into a reserved slot: at the start of the capture when sync
+        (the PFS write overlaps the capture and the protocol the caller waits for), after
+        the staging when async (overlapping the protocol; never slowing down the background
+        copy the training loop may wait for). Local."""
+        if snap.into is not None and "pfs" in snap.levels and snap.failure is None:
+            self.flushes.write_early(snap.step, snap.into)
 
     def _retain_for(self, step: int) -> None:
         """Before writing tentative ``step``: keep it and the newest permanent version (the

@@ -40,6 +40,7 @@ class Snapshot:
     failure: str | None = None
     captured_at: float = dataclasses.field(default_factory=time.time)
     staging: Staging | None = None     # background part of capture, if any
+    into: Any = None                   # the reserved slot the capture fills (a Reservation)
 
 
 @dataclasses.dataclass

@@ -211,6 +211,8 @@ def test_multilevel_fault_then_bitexact_resume(chain: list[Case], tmp_path: Path
                        and e.get("attempt") == i]
             assert step not in flushed, (step, res.events())
             assert not (res.pfs / "e2e" / f"step-{step}" / "COMMITTED").exists()
+    early = res.pfs / "e2e" / ".early"         # early PFS writes left nothing behind
+    assert not early.exists() or sorted(early.iterdir()) == [], sorted(early.iterdir())
 
 
 @pytest.mark.timeout(300)

@@ -48,6 +48,35 @@ def test_all_local_dirs_lost_restore_from_hdf5(tmp_path: Path, files: str,
 
 
 @pytest.mark.timeout(600)
+def test_crash_in_the_early_write_leaves_the_committed_pfs_step(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """Rank 1 is killed by its early PFS write of step 6 (fault phase ``flush-early``, on the
+    early write's thread while the training thread captures step 6 or runs its protocol;
+    sync checkpoints: the flush of step 3 has ended, so the early write runs). The PFS keeps
+    committed step 3; step 6 has no PFS ``COMMITTED`` and no rank file of rank 1 (its
+    half-written file is a temp in ``.early`` that nothing names). With every node-local
+    directory gone, the relaunch removes the stale temp (rank 0, as its Checkpointer
+    starts), restores step 3 from the PFS and ends bit-exact; no temp is left."""
+    env = {"FTKIT_LEVELS": LEVELS, "FTKIT_ASYNC": "0"}
+    first = run_toy(tmp_path, steps=8, max_restarts=0,
+                    FTKIT_FAULTS="kill:rank=1:step=6:phase=flush-early", **env)
+    assert first.rc != 0 and "rank 1 killed by SIGKILL" in first.stderr, first.tail()
+    job = first.pfs / "e2e"
+    assert (job / "step-3" / "COMMITTED").is_file()
+    assert not (job / "step-6" / "COMMITTED").exists()
+    assert not (job / "step-6" / "rank-1.h5").exists()
+    stale = sorted(p.name for p in (job / ".early").iterdir())
+    assert len(stale) == 1 and stale[0].startswith(".rank-1.h5."), stale
+    shutil.rmtree(first.local)
+    res = run_toy(tmp_path, steps=8, max_restarts=0, **env)
+    assert res.rc == 0, res.tail()
+    assert res.starts[0]["step"] == 3, res.tail()
+    assert res.done["digest"] == reference_digest(4, 8)
+    assert (job / "step-6" / "COMMITTED").is_file()
+    assert sorted((job / ".early").iterdir()) == []
+
+
+@pytest.mark.timeout(600)
 def test_crash_during_flush_leaves_incomplete_step(tmp_path: Path,
                                                    reference_digest: Callable[..., str]) -> None:
     first = run_toy(tmp_path, steps=8, max_restarts=0, FTKIT_LEVELS=LEVELS,

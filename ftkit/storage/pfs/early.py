@@ -3,7 +3,8 @@
 
 A step due at both ``local`` and ``pfs`` is captured into a reserved slot of the node-local
 level (:mod:`ftkit.storage.slots`). When this rank has no flush running, an *early write*
-starts on a thread of its own as the capture begins: it writes this rank's PFS file tensor
+starts on a thread of its own as the capture begins (an asynchronous Checkpointer: once the
+staging has landed, so it never slows down what the training loop may wait for): it writes this rank's PFS file tensor
 by tensor as each one lands in the slot (:meth:`Reservation.wait_landed`, which gives the
 tensor's checksum), verifying the bytes it copies against that checksum, under a private
 temp name in the job's staging directory ``<pfs>/<job>/.early/``. So the PFS write of a step
@@ -16,9 +17,9 @@ and after every rank agreed on that — when the rank renames it to
 ``step-<s>/rank-<r>.h5`` (:meth:`EarlyWrite.adopt`). Every other outcome (the vote aborts
 the step, the capture fails, the flush is delayed or skipped, the Checkpointer closes or is
 abandoned) discards it (:meth:`EarlyWrite.discard`): its thread stops at the next tensor
-and the temp is removed. A crash leaves a temp that nothing names and nothing reads; the
-rank's next early write removes its own, rank 0's next flush those of ranks beyond the
-world. The PFS step's ``COMMITTED`` record stays its only commit point. Local.
+and the temp is removed. A crash leaves a temp that nothing names and nothing reads: rank
+0 removes every one as its next Checkpointer starts (the relaunch), the rank's next early
+write its own, rank 0's next flush those of ranks beyond the world. The PFS step's ``COMMITTED`` record stays its only commit point. Local.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import logging
 import os
 import re
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,7 @@ class EarlyWrite:
                  patience: float) -> None:
         self.step, self._res, self._patience = step, res, patience
         self._adopted = False
+        self.started = time.monotonic()       # when the PFS write of the step began
         self._future = pool.submit(self._write, staging / f"rank-{rank}.h5", topology,
                                    faults)
 
