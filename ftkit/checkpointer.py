@@ -39,7 +39,6 @@ from ftkit.errors import (
     ConfigError,
     FtkitError,
     ProtocolTimeout,
-    UnrecoverableError,
 )
 from ftkit.events import append_event, mark_progress
 from ftkit.flushes import Flushes
@@ -164,33 +163,12 @@ class Checkpointer:
             self._admit(state)
             step = self._restore(state)
             if not step and init_from is not None:
-                self._seed(state, Path(init_from))
+                from ftkit.interop.seed import seed_everywhere
+                seed_everywhere(self.dc, Path(init_from), state, self._emit)
             return step
         except FtkitError as exc:
             record_fatal(exc, self.topo.rank)
             raise
-
-    def _seed(self, state: State, path: Path) -> None:
-        """Seed ``state`` from DCP ``path`` on every rank; the same UnrecoverableError
-        everywhere when any rank cannot. All ranks call."""
-        from ftkit.interop.seed import seed
-        t0 = time.monotonic()
-        done: dict[str, Any] = {}
-        failure = None
-        try:
-            done = seed(path, state)
-        except FtkitError as exc:
-            failure = str(exc)
-        except Exception as exc:  # noqa: BLE001 - agreed below, like an FtkitError
-            failure = f"cannot seed from DCP checkpoint {path}: {describe(exc)}"
-        failures = self.dc.agree(failure, "seed", 0)
-        if failures:
-            rank, why = min(failures.items())
-            raise UnrecoverableError(f"rank {rank}: {why}" if len(failures) == 1 else
-                                     f"rank {rank} (and {len(failures) - 1} more): {why}")
-        self._emit("seed", dir=str(path), tensors=done["tensors"], missing=done["missing"],
-                   unused=done["unused"][:50], seconds=round(time.monotonic() - t0, 6))
-        log.info("seeded %d tensors from DCP checkpoint %s", done["tensors"], path)
 
     def _admit(self, state: State) -> None:
         """Once, before the first step: loaders get ftkit's generators, every leaf is

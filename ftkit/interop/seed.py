@@ -11,11 +11,14 @@ tensor) is copied from the saved chunks that intersect it, each read once
 live tensor. Every parameter and buffer of the state's modules must be found, with the
 state's dtype and global shape; other tensors (optimizer state that exists already, ...)
 are seeded when DCP has them and left as they are otherwise. RNG states are never seeded.
-Local: the caller agrees on the outcome.
+:func:`seed` is local; :func:`seed_everywhere` agrees on its outcome.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +26,12 @@ from ftkit.capture import loaders, shards
 from ftkit.capture.flatten import flatten
 from ftkit.capture.rng import rank_local_indices
 from ftkit.capture.shards import ShardSpec
-from ftkit.errors import UnrecoverableError
+from ftkit.comm.dist import DistComm, describe
+from ftkit.errors import FtkitError, UnrecoverableError
 from ftkit.interop.dcp import DcpTensor, read_metadata, read_piece
 from ftkit.recovery import boxes
+
+log = logging.getLogger("ftkit.checkpointer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,30 @@ def seed(path: Path, state: Any) -> dict[str, Any]:
             used.add(t.fqn)
     return {"tensors": len(used), "missing": sorted(t.fqn for t in missing),
             "unused": sorted(set(saved) - used)}
+
+
+def seed_everywhere(dc: DistComm, path: Path, state: Any, emit: Callable[..., None]
+                   ) -> None:
+    """Seed ``state`` from DCP ``path`` on every rank (:func:`seed`); the same
+    UnrecoverableError everywhere when any rank cannot; a ``seed`` event (``emit``) when
+    done. All ranks of ``dc`` call."""
+    t0 = time.monotonic()
+    done: dict[str, Any] = {}
+    failure = None
+    try:
+        done = seed(path, state)
+    except FtkitError as exc:
+        failure = str(exc)
+    except Exception as exc:  # noqa: BLE001 - agreed below, like an FtkitError
+        failure = f"cannot seed from DCP checkpoint {path}: {describe(exc)}"
+    failures = dc.agree(failure, "seed", 0)
+    if failures:
+        rank, why = min(failures.items())
+        raise UnrecoverableError(f"rank {rank}: {why}" if len(failures) == 1 else
+                                 f"rank {rank} (and {len(failures) - 1} more): {why}")
+    emit("seed", dir=str(path), tensors=done["tensors"], missing=done["missing"],
+         unused=done["unused"][:50], seconds=round(time.monotonic() - t0, 6))
+    log.info("seeded %d tensors from DCP checkpoint %s", done["tensors"], path)
 
 
 def _fill(path: Path, g: DcpTensor, t: Target) -> None:
