@@ -43,6 +43,7 @@ class Flushes:
         self._futures: collections.deque[cf.Future[None]] = collections.deque()
         self._early_pool: cf.ThreadPoolExecutor | None = None
         self._early: EarlyWrite | None = None   # the newest capture's early write
+        self._shut = False                      # shutdown() was called: no new early write
         self.kept: set[int] = set()             # being flushed or delayed: retention keeps them
         self.delayed: int | None = None         # committed step whose flush waits its turn
         self.failures: dict[int, str] = {}      # step -> why its PFS flush failed (agreed)
@@ -61,11 +62,15 @@ class Flushes:
         ``step`` when it starts right after the commit, else discarded
         (:meth:`discard_early`). Local (checkpoint or training thread)."""
         self.discard_early()
-        if self.pfs is None or any(not f.done() for f in list(self._futures)):
+        if self.pfs is None or self._shut or any(not f.done() for f in list(self._futures)):
             return
         if self._early_pool is None:
             self._early_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-early")
-        self._early = self.pfs.write_early(step, res, self._early_pool, self._patience())
+        try:
+            self._early = self.pfs.write_early(step, res, self._early_pool, self._patience())
+        except Exception as exc:  # noqa: BLE001 - the flush writes the file itself then
+            log.warning("rank %d: no early PFS write of step %d: %s", self.rank, step,
+                        describe(exc))
 
     def discard_early(self) -> None:
         """Give up the early write no flush took (the step was not committed, or its flush
@@ -119,6 +124,7 @@ class Flushes:
     def shutdown(self, wait: bool = True) -> None:
         """Stop the flush thread (after :meth:`finish`; ``wait=False``: let a flush in
         progress end on its own, as an abandoned one does under in-job recovery). Local."""
+        self._shut = True
         self.discard_early()
         if self._thread is not None:
             self._thread.shutdown(wait=wait)

@@ -211,3 +211,24 @@ def test_an_early_write_is_adopted_by_its_own_flush_only() -> None:
     f.finish(_wait)                               # the delayed step, from its shard
     f.shutdown()
     assert pfs.flushed == [1, 3] and pfs.adopted == [pfs.early[0], None]
+
+
+def test_an_early_write_that_cannot_start_is_no_error(caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """A failing start (the flush then writes the file itself) only warns; after
+    ``shutdown`` (close, abandon) no early write starts."""
+    pfs = _Pfs()
+    f, _, _ = _flushes(pfs)
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("boom")
+    pfs.write_early = broken                      # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="ftkit.checkpointer"):
+        f.write_early(1, res=None)                # type: ignore[arg-type]
+    assert "no early PFS write of step 1: RuntimeError: boom" in caplog.text
+    f.schedule(1, busy=False)
+    assert pfs.adopted == [None] and pfs.flushed == [1]
+    pfs.write_early = _Pfs.write_early.__get__(pfs)     # type: ignore[method-assign]
+    f.shutdown()
+    f.write_early(2, res=None)                    # type: ignore[arg-type]
+    assert pfs.early == []
