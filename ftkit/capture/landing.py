@@ -18,6 +18,7 @@ else sees it. Local.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
@@ -68,7 +69,8 @@ class GatedLanding:
     def __init__(self, gate: Gate | None = None, piece: int = PIECE) -> None:
         self.gate = gate if gate is not None else Gate()
         self.piece = piece
-        self._bounce: np.ndarray | None = None
+        self._bounce: list[np.ndarray] = []     # the second one only for a piece read ahead
+        self._out: collections.deque[int] = collections.deque()   # handed out, not landed
         self._device: DeviceLanding | None = None
         self._dest: Any = None
         self._mode = "direct"
@@ -77,6 +79,7 @@ class GatedLanding:
         """The next pieces belong to ``dest``: a flat uint8 NumPy array (a live tensor's
         bytes when ``live``, else a new buffer) or a flat uint8 CUDA tensor (always live)."""
         self._dest = dest
+        self._out.clear()           # a read given up earlier has no piece in flight now
         if not isinstance(dest, np.ndarray):
             if self._device is None:
                 self._device = DeviceLanding(self.piece)
@@ -93,15 +96,26 @@ class GatedLanding:
         if self._mode == "device":
             assert self._device is not None
             return self._device.buffer(offset, n)
-        if self._bounce is None:
-            self._bounce = aligned_empty(self.piece)
-        return self._bounce[:n]
+        turn = 1 if 0 in self._out else 0      # the first one, unless it holds a piece
+        if turn == len(self._bounce):
+            self._bounce.append(aligned_empty(self.piece))
+        self._out.append(turn)
+        return self._bounce[turn][:n]
+
+    @property
+    def ahead(self) -> bool:
+        """May the next piece's buffer be asked for before this one landed (a host
+        destination: one bounce buffer more; a GPU's pair of host buffers is used in turn
+        only by :meth:`land`)."""
+        return self._mode != "device"
 
     def land(self, offset: int, piece: np.ndarray) -> None:
         """``piece`` (from :meth:`buffer`) holds the destination's bytes at ``offset``:
         copy it there through the gate (a new buffer already holds them)."""
         if self._mode == "direct":
             return
+        if self._mode == "bounce":
+            self._out.popleft()                    # pieces land in the order asked for
         with self.gate.passage():
             if self._mode == "device":
                 assert self._device is not None

@@ -462,7 +462,7 @@ class _Layout:
 #: $FTKIT_PFS_DIR/<job> and $FTKIT_LOCAL_DIR/<job> (docs/formats.md); ``.<name>.tmp``
 #: files are ftkit's atomic writes cut short.
 _TMP = r"\..+\.tmp(-\d+)?"
-_PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal",
+_PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal|\.early",
                       r"events\.jsonl|RUN|LOCK|\.done-attempt-\d+(\.pending)?|\.stop-request"
                       rf"|slurm-slots\.(json|tmp)|{_TMP}")
 _LOCAL_LAYOUT = _Layout(r"node-\d+", "",

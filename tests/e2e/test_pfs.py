@@ -60,7 +60,7 @@ def test_crash_in_the_early_write_leaves_the_committed_pfs_step(
     env = {"FTKIT_LEVELS": LEVELS, "FTKIT_ASYNC": "0"}
     first = run_toy(tmp_path, steps=8, max_restarts=0,
                     FTKIT_FAULTS="kill:rank=1:step=6:phase=flush-early", **env)
-    assert first.rc != 0 and "rank 1 killed by SIGKILL" in first.stderr, first.tail()
+    assert first.rc != 0 and "rank 1 killed by SIGKILL" in first.stdout, first.tail()
     job = first.pfs / "e2e"
     assert (job / "step-3" / "COMMITTED").is_file()
     assert not (job / "step-6" / "COMMITTED").exists()

@@ -55,6 +55,7 @@ def make_job(pfs: Path, local: Path, job: str, nodes: int = 2) -> None:
     _write(pfs / job / ".done-attempt-0", b"{}")
     _write(pfs / job / "slurm-slots.json", b"{}")
     (pfs / job / "attempt-1.fatal").mkdir(exist_ok=True)
+    _write(pfs / job / ".early" / ".rank-1.h5.x1y2.tmp", b"e")     # an early write cut short
 
 
 def test_removes_both_trees_and_only_that_job(roots: tuple[Path, Path],

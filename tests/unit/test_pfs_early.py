@@ -165,3 +165,21 @@ def test_a_staging_name_that_is_no_directory_is_refused(tmp_path: Path) -> None:
     os.symlink(tmp_path, tmp_path / "pfs" / early.STAGING)
     with pytest.raises(OSError, match="not a directory"):
         early.staging_dir(tmp_path / "pfs")
+
+
+def test_an_early_write_whose_slot_was_not_completed_leaves_the_file_to_the_flush(
+        tmp_path: Path, pool: cf.ThreadPoolExecutor) -> None:
+    """The local write took another way than the reserved slot (it drops the reservation):
+    the flush does not fail; it writes the file from the shard (``_adopt`` says None)."""
+    from types import SimpleNamespace
+
+    from ftkit.storage.pfs.level import PfsLevel
+    _, res, _, _ = _reserve(tmp_path, 3)
+    write, staging = _start(tmp_path, res, pool)
+    res.drop()
+    level = PfsLevel.__new__(PfsLevel)
+    level.topo, level.adopted = SimpleNamespace(rank=0), []     # type: ignore[assignment]
+    target = tmp_path / "pfs" / "rank-0.h5"
+    assert level._adopt(write, target, 3) is None
+    assert level.adopted == [] and not target.exists() and _temps(staging) == []
+    assert level._adopt(None, target, 3) is None

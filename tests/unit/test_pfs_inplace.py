@@ -4,6 +4,7 @@ a damaged step is read over by an older one, and a read that was given up never 
 the live state afterwards."""
 from __future__ import annotations
 
+import os
 import threading
 import tracemalloc
 from pathlib import Path
@@ -41,8 +42,9 @@ def _restore(job: Path, state: dict[str, Any], timeout: float = 30.0
                                         lambda ev, **kw: None)
 
 
-def test_tensors_land_in_the_live_arrays_with_one_bounce_buffer(tmp_path: Path) -> None:
-    """Before: h5py read each tensor into a new array (the whole state twice in memory)."""
+def test_tensors_land_in_the_live_arrays_through_bounce_buffers(tmp_path: Path) -> None:
+    """Before: h5py read each tensor into a new array (the whole state twice in memory).
+    Now two 4 MiB bounce buffers at most (one holds the piece read ahead)."""
     big = {"model": {"w": np.random.default_rng(3).integers(0, 2**31, 6 << 20,
                                                               dtype=np.int32)},
            "data": {"pos": 5}}
@@ -278,3 +280,33 @@ def test_device_destinations_pass_the_gate_too() -> None:
     target = torch.zeros(8, dtype=torch.uint8)
     _land_across_the_close(GatedLanding(Gate(), piece=4), target)
     assert target.tolist() == [1] * 4 + [0] * 4
+
+
+def test_a_large_datasets_next_piece_is_read_while_this_one_lands(tmp_path: Path) -> None:
+    """From AHEAD_MIN pieces on, pieces are read on a helper thread, one ahead, into the
+    second bounce buffer; fewer are read on the caller's thread through one buffer; the
+    live array gets every byte either way."""
+    from ftkit.capture.landing import GatedLanding
+    from ftkit.storage.pfs import h5data
+    piece = 1 << 16
+    data = np.random.default_rng(5).integers(0, 256, 10 * piece, dtype=np.uint8)
+    path = tmp_path / "bytes"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for count, threads, buffers in ((10, {"ftkit-read_0"}, 2),
+                                        (h5data.AHEAD_MIN - 1, {"MainThread"}, 1)):
+            live, seen = np.zeros_like(data), set()
+            landing = GatedLanding(piece=piece)
+            landing.start(live, live=True)
+
+            def fill(out: np.ndarray, pos: int, seen: set[str] = seen) -> None:
+                seen.add(threading.current_thread().name)
+                assert os.preadv(fd, [out.data], pos) == len(out)
+            pieces = [(k * piece, k * piece, piece) for k in range(count)]
+            for at, buf in h5data._filled(pieces, landing, fill):
+                landing.land(at, buf)
+            assert np.array_equal(live[:count * piece], data[:count * piece])
+            assert (seen, len(landing._bounce)) == (threads, buffers)
+    finally:
+        os.close(fd)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
-import logging
 import os
 import re
 import stat
@@ -41,7 +40,6 @@ from ftkit.storage.shard import layout, rename_into_place
 from ftkit.storage.slots import PLACEHOLDER, Reservation
 from ftkit.testing.faults import Faults
 
-log = logging.getLogger(__name__)
 #: the staging directory of early writes, under the job's PFS directory (no step directory)
 STAGING = ".early"
 #: the fault phase of an early write: it fires when the write reaches its second tensor

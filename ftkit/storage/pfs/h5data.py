@@ -8,7 +8,8 @@ rows: chunked along dimension 0 only), no filters, their data inside their own f
 (:func:`h5files.check_storage`, checked before any byte is read) — so their bytes lie at
 file offsets libhdf5 reports. :func:`spans` lists
 them; :func:`read_dataset` reads each piece with ``preadv`` into the landing's buffer
-(:class:`ftkit.storage.shard.Landing`), hashes it while it is in cache and lands it. A
+(:class:`ftkit.storage.shard.Landing`), hashes it while it is in cache and lands it — a
+large dataset's next piece read meanwhile on a helper thread. A
 dataset stored any other way (compact, other chunk shapes, a type not laid out on disk as
 NumPy lays it out in memory) is read through h5py once and handed over in the same pieces.
 
@@ -18,7 +19,9 @@ Local.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +33,8 @@ from ftkit.storage.shard import XXH3, Landing
 
 #: (offset in the file, offset in the tensor's bytes, length)
 Span = tuple[int, int, int]
+#: pieces of a dataset from which the next one is read ahead on a helper thread
+AHEAD_MIN = 3
 
 
 def _h5py() -> Any:
@@ -97,14 +102,40 @@ def read_dataset(fd: int | None, ds: Any, nbytes: int, landing: Landing) -> str:
             assert fd is not None
             _pread(fd, out, pos)
     h = xxhash.xxh3_64()
-    for file_at, at, length in where:
-        for a in range(0, length, landing.piece):
-            piece = landing.buffer(at + a, min(landing.piece, length - a))
-            fill(piece, file_at + a)
-            h.update(piece.data)
-            landing.land(at + a, piece)
+    pieces = [(file_at + a, at + a, min(landing.piece, length - a))
+              for file_at, at, length in where for a in range(0, length, landing.piece)]
+    for at, piece in _filled(pieces, landing, fill):
+        h.update(piece.data)
+        landing.land(at, piece)
     passes.count("read", nbytes)
     return XXH3 + h.hexdigest()
+
+
+def _filled(pieces: list[Span], landing: Landing, fill: Callable[[np.ndarray, int], None]
+            ) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset in the tensor, buffer)`` of every piece, read into the landing's buffers in
+    order. With :data:`AHEAD_MIN` pieces or more and a landing whose buffers alternate
+    (``ahead``), the next piece is read on a helper thread while the caller hashes and lands
+    this one (``preadv`` releases the GIL): the disk never waits for the CPU. A read still
+    running when the caller gives up ends before this returns."""
+    if len(pieces) < AHEAD_MIN or not getattr(landing, "ahead", False):
+        for file_at, at, n in pieces:
+            buf = landing.buffer(at, n)
+            fill(buf, file_at)
+            yield at, buf
+        return
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-read") as reader:
+        def ahead(k: int) -> tuple[np.ndarray, cf.Future[None]]:
+            file_at, at, n = pieces[k]
+            buf = landing.buffer(at, n)            # in order, on the caller's thread
+            return buf, reader.submit(fill, buf, file_at)
+        buf, pending = ahead(0)
+        for k in range(len(pieces)):
+            pending.result()
+            this = buf
+            if k + 1 < len(pieces):
+                buf, pending = ahead(k + 1)
+            yield pieces[k][1], this
 
 
 def read_range(fd: int, where: list[Span], lo: int, out: np.ndarray) -> None:

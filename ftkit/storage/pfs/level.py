@@ -54,7 +54,7 @@ from ftkit.storage.pfs import early, h5shared, hdf5
 from ftkit.storage.pfs.early import EarlyWrite
 from ftkit.storage.pfs.retention import Reaper, retract_steps
 from ftkit.storage.shard import Shard, fsync_dir
-from ftkit.storage.slots import Reservation
+from ftkit.storage.slots import NotLanding, Reservation
 from ftkit.storage.stepnames import step_dirs, step_name
 from ftkit.testing.faults import Faults
 
@@ -216,10 +216,8 @@ class PfsLevel:
             written.append({"file": node_file.name,
                             "digest": hdf5.write_node_links(node_file, t.ranks_on(t.node))})
         rank_file = self.step_dir(step) / f"rank-{t.rank}.h5"
-        if early_write is not None:
-            digest = early_write.adopt(rank_file)
-            self.adopted.append(step)
-        else:
+        digest = self._adopt(early_write, rank_file, step)
+        if digest is None:
             shard = Shard.open(self.local.shard_path(step), rank=t.rank, step=step)
             try:
                 digest = hdf5.write_rank_file(rank_file, shard, self._coords(t.rank))
@@ -228,6 +226,22 @@ class PfsLevel:
         self.faults.after_write(rank_file, level=self.name, step=step)
         written.append({"file": rank_file.name, "digest": digest})
         return written
+
+    def _adopt(self, early_write: EarlyWrite | None, rank_file: Path, step: int
+               ) -> dict[str, Any] | None:
+        """``early_write``'s file renamed to ``rank_file``: its digest; None when there is
+        none, or when it stopped because its slot was not completed (the shard was written
+        another way): the caller writes the file from the shard."""
+        if early_write is None:
+            return None
+        try:
+            digest = early_write.adopt(rank_file)
+        except NotLanding as exc:
+            log.info("rank %d: early PFS write of step %d not used (%s); writing from the "
+                     "shard", self.topo.rank, step, exc)
+            return None
+        self.adopted.append(step)
+        return digest
 
     def _write_shared(self, step: int) -> list[dict[str, Any]]:
         """This rank's part of the step's shared file (:func:`h5shared.write_shared_file`;
