@@ -52,8 +52,12 @@ class Flushes:
     def busy(self) -> bool:
         """This rank's previous flush is still running (polled for the vote; never with
         ``wait_mode``, where the next flush waits for it instead). Local."""
+        return not self._wait_mode and self._running()
+
+    def _running(self) -> bool:
+        """A flush of this rank is still running. Local."""
         pending = list(self._futures)        # one atomic copy: the training thread pops
-        return not self._wait_mode and any(not f.done() for f in pending)
+        return any(not f.done() for f in pending)
 
     def write_early(self, step: int, res: Reservation) -> None:
         """The capture of ``step``, due at ``pfs``, fills the slot ``res``: start its early
@@ -62,7 +66,7 @@ class Flushes:
         ``step`` when it starts right after the commit, else discarded
         (:meth:`discard_early`). Local (checkpoint or training thread)."""
         self.discard_early()
-        if self.pfs is None or self._shut or any(not f.done() for f in list(self._futures)):
+        if self.pfs is None or self._shut or self._running():
             return
         if self._early_pool is None:
             self._early_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ftkit-early")
@@ -155,9 +159,7 @@ class Flushes:
         """Flush committed ``step``: on the flush thread when there is one, else right here.
         The previous flush has finished (:meth:`schedule`), or, in ``wait_mode``, this
         (checkpoint) thread waits for it here."""
-        early = self._early if self._early is not None and self._early.step == step \
-            else None
-        self._early = None if early is not None else self._early
+        early = self._take_early(step)
         if self._thread is None:
             self._flush(step, early)
             return
@@ -165,6 +167,13 @@ class Flushes:
             flag.wait_done(older, self._patience(), f"the PFS flush before step {step}")
         self.kept.add(step)
         self._futures.append(self._thread.submit(self._flush, step, early))
+
+    def _take_early(self, step: int) -> EarlyWrite | None:
+        """The early write of ``step``, handed to its flush (None: there is none)."""
+        if self._early is None or self._early.step != step:
+            return None
+        early, self._early = self._early, None
+        return early
 
     def _flush(self, step: int, early: EarlyWrite | None = None) -> None:
         """``PfsLevel.flush`` agrees its outcome, so every rank sees the same failure; a
