@@ -115,7 +115,7 @@ class Checkpointer:
         if topo.rank == 0 and config.interval("pfs"):
             # what a crashed attempt's early writes left; before the next collective, so no
             # rank's early write has started
-            early.remove_stale(config.job_pfs_dir / early.STAGING, beyond=0)
+            early.remove_stale(config.job_pfs_dir / early.STAGING)
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
                             self.faults, run_id=self.run_id) if config.interval("pfs") else None

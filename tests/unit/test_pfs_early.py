@@ -149,15 +149,16 @@ def test_the_flush_early_fault_fires_at_the_second_tensor(
     assert _temps(staging) == []
 
 
-def test_stale_temps_of_the_rank_and_of_ranks_beyond_the_world_go(tmp_path: Path) -> None:
+def test_every_stale_early_temp_goes_and_nothing_else(tmp_path: Path) -> None:
+    """What a Checkpointer's start (rank 0) removes: every rank's early temp, of any world
+    size; an entry of another name stays."""
     staging = early.staging_dir(tmp_path / "pfs")
-    names = [".rank-0.h5.a1.tmp", ".rank-1.h5.b2.tmp", ".rank-5.h5.c3.tmp", "other"]
+    names = [".rank-0.h5.a1.tmp", ".rank-1.h5.b2.tmp", ".rank-5.h5.c3.tmp", "other",
+             ".rank-x.h5.d4.tmp"]
     for name in names:
         (staging / name).write_bytes(b"x")
-    early.remove_stale(staging, {1})
-    assert _temps(staging) == sorted([".rank-0.h5.a1.tmp", ".rank-5.h5.c3.tmp", "other"])
-    early.remove_stale(staging, beyond=4)
-    assert _temps(staging) == sorted([".rank-0.h5.a1.tmp", "other"])
+    early.remove_stale(staging)
+    assert _temps(staging) == sorted(["other", ".rank-x.h5.d4.tmp"])
 
 
 def test_a_staging_name_that_is_no_directory_is_refused(tmp_path: Path) -> None:

@@ -18,8 +18,7 @@ and after every rank agreed on that — when the rank renames it to
 the step, the capture fails, the flush is delayed or skipped, the Checkpointer closes or is
 abandoned) discards it (:meth:`EarlyWrite.discard`): its thread stops at the next tensor
 and the temp is removed. A crash leaves a temp that nothing names and nothing reads: rank
-0 removes every one as its next Checkpointer starts (the relaunch), the rank's next early
-write its own, rank 0's next flush those of ranks beyond the world. The PFS step's ``COMMITTED`` record stays its only commit point. Local.
+0 removes every one as its next Checkpointer starts (the relaunch; an in-job generation). The PFS step's ``COMMITTED`` record stays its only commit point. Local.
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ STAGING = ".early"
 #: the fault phase of an early write: it fires when the write reaches its second tensor
 #: (the first one's bytes are in the temp file), on the early write's thread
 PHASE = "flush-early"
-_TEMP = re.compile(r"\.rank-(\d+)\.h5\..+\.tmp")
+_TEMP = re.compile(r"\.rank-\d+\.h5\..+\.tmp")
 
 
 class LandingShard:
@@ -139,20 +138,14 @@ def staging_dir(job_pfs_dir: Path) -> Path:
     return path
 
 
-def remove_stale(staging: Path, keep: set[int] | None = None, *, beyond: int | None = None
-                 ) -> None:
-    """Remove the temps of early writes in ``staging`` that nothing writes any more: those
-    of the ranks in ``keep`` (a rank about to start its next early write: its previous one
-    ended), or with ``beyond``, those of ranks ``>= beyond`` (not in the world). Local."""
+def remove_stale(staging: Path) -> None:
+    """Remove every early write's temp in ``staging`` (rank 0, as a Checkpointer starts:
+    no early write of it runs yet, so they are what a crashed attempt left). Local."""
     try:
         entries = list(os.scandir(staging))
     except OSError:
         return
     for entry in entries:
-        m = _TEMP.fullmatch(entry.name)
-        if m is None:
-            continue
-        rank = int(m.group(1))
-        if (keep is not None and rank in keep) or (beyond is not None and rank >= beyond):
+        if _TEMP.fullmatch(entry.name):
             with contextlib.suppress(OSError):         # removed meanwhile
                 os.unlink(entry.path)

@@ -99,8 +99,7 @@ class PfsLevel:
     def write_early(self, step: int, res: Reservation, pool: cf.ThreadPoolExecutor,
                     patience: float) -> EarlyWrite | None:
         """Start this rank's early write of ``step`` from the reservation its capture fills
-        (:mod:`ftkit.storage.pfs.early`), after removing what its previous early write left;
-        None (logged) when the staging directory cannot be had: the flush then writes the
+        (:mod:`ftkit.storage.pfs.early`); None (logged) when the staging directory cannot be had: the flush then writes the
         file itself. Per-rank files only. Local."""
         if self.shared:
             return None
@@ -109,7 +108,6 @@ class PfsLevel:
         except OSError as exc:
             log.debug("rank %d: no early PFS write of step %d: %s", self.topo.rank, step, exc)
             return None
-        early.remove_stale(staging, {self.topo.rank})
         return EarlyWrite(step, res, staging, self.topo.rank, self._coords(self.topo.rank),
                           pool, self.faults, patience)
 
@@ -198,7 +196,6 @@ class PfsLevel:
                 shutil.rmtree(d, ignore_errors=True)
         for tmp in self.step_dir(step).glob(".*.tmp"):
             tmp.unlink(missing_ok=True)
-        early.remove_stale(self.config.job_pfs_dir / early.STAGING, beyond=self.topo.world)
 
     def _write_files(self, step: int, early_write: EarlyWrite | None = None
                      ) -> list[dict[str, Any]]:
