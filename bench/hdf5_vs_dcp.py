@@ -1,6 +1,7 @@
 """ftkit's HDF5 (PFS level) save/load next to torch DCP and torch.save, same ranks, same run.
 
-    python bench/hdf5_vs_dcp.py [--ranks 4] [--size-mib 64] [--repeat 3] [--out bench/results]
+    python bench/hdf5_vs_dcp.py [--ranks 4] [--size-mib 64] [--repeat 3] [--load-repeat 0]
+                                [--out bench/results]
                                 [--ranks-per-node 0] [--pfs-root /tmp] [--dcp-threads 4]
                                 [--name hdf5_vs_dcp] [--quick]
 
@@ -12,7 +13,8 @@ names on different ranks as replicas and write them once.
 Measured --repeat times, all ranks between two barriers, files on the same file system
 (--pfs-root), every write fsynced; the rounds alternate between the methods (saves and loads
 alike: this virtual disk slows down after a few GiB written, so back-to-back rounds of one
-method would see another disk than the next method's). Every figure is the **median** of its
+method would see another disk than the next method's; the restores also rotate their order
+every round, --load-repeat rounds of them). Every figure is the **median** of its
 rounds (``spread``: min and max; ``rounds``: every one), not the best: identical rounds on
 this disk differ by 1.5x and more, and a best-of picks each method's luckiest round. Two
 untimed rounds of every save method come first (``WARMUP``: 2), as does one of the stall's:
@@ -310,10 +312,18 @@ def _dcp_saves(run: _Run, repeat: int, threads: int, last: dict[str, Path]
         yield
 
 
+def _rotated(items: list[Any], i: int) -> list[Any]:
+    """``items`` starting at its ``i``-th (round ``i`` of a rotation): no method is always
+    first after another one, nor always right after the same one (this disk's speed drifts
+    within a round: the first read after a pause is often the slowest)."""
+    k = i % len(items)
+    return items[k:] + items[:k]
+
+
 def _loads(run: _Run, repeat: int, saved: int, dirs: dict[str, Path], bound: Path) -> None:
     """Every load cold (pages dropped first), each checked bit-exact (ftkit's restore finds
     step ``saved``); the node-local restore (warm: it is memory) first, while the node-local
-    directory exists."""
+    directory exists. ``repeat`` rounds of each group, the order rotated every round."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -334,34 +344,48 @@ def _loads(run: _Run, repeat: int, saved: int, dirs: dict[str, Path], bound: Pat
     local_bound = run.local_root / "bound" / f"rank-{run.comm.rank}.bin"
     local_bound.parent.mkdir(exist_ok=True)
     _disk.fs_write(local_bound, views)
-    for _ in range(repeat):
-        restore("ftkit_local_load")
-        for name, verify in (("local_read", False), ("local_read_verified", True)):
-            run.add(name, _timed(run.comm, lambda v=verify: _disk.local_read(
-                local_bound, views, verify=v), lambda: _scramble(run.state)))
+
+    def local(name: str, verify: bool) -> Callable[[], None]:
+        def go() -> None:
+            run.add(name, _timed(run.comm, lambda: _disk.local_read(
+                local_bound, views, verify=verify), lambda: _scramble(run.state)))
             _check(run.state, run.ref, name)
+        return go
+    local_loads = [lambda: restore("ftkit_local_load"), local("local_read", False),
+                   local("local_read_verified", True)]
+    for i in range(repeat):
+        for load in _rotated(local_loads, i):
+            load()
     local_bound.unlink()
-    for _ in range(repeat):
-        _rm(run.comm, run.cfg.job_local_dir)      # node-local copies gone: restore from PFS
-        restore("ftkit_hdf5_load")
+    _rm(run.comm, run.cfg.job_local_dir)          # node-local copies gone: restore from PFS
+
+    def dcp_load() -> None:
         run.add("torch_dcp_load", _timed(run.comm, lambda: dcp.load(
             _plain(run.state), storage_reader=dcp.FileSystemReader(dirs["torch_dcp_save"])),
             run.cold(dirs["torch_dcp_save"])))
         _check(run.state, run.ref, "dcp.load")
 
-        def tload() -> None:
-            loaded = torch.load(dirs["torch_save"] / f"rank-{run.comm.rank}.pt",
-                                weights_only=True)
-            (key, inner), = run.state.items()
-            with torch.no_grad():
-                for k, v in loaded[key]["tensors"].items():
-                    inner["tensors"][k].copy_(v)
-            inner["model"].load_state_dict(loaded[key]["model"])
+    def tload() -> None:
+        loaded = torch.load(dirs["torch_save"] / f"rank-{run.comm.rank}.pt",
+                            weights_only=True)
+        (key, inner), = run.state.items()
+        with torch.no_grad():
+            for k, v in loaded[key]["tensors"].items():
+                inner["tensors"][k].copy_(v)
+        inner["model"].load_state_dict(loaded[key]["model"])
+
+    def torch_load() -> None:
         run.add("torch_load", _timed(run.comm, tload, run.cold(dirs["torch_save"])))
         _check(run.state, run.ref, "torch.load")
+
+    def fs_read() -> None:
         run.add("fs_read", _timed(run.comm, lambda: _disk.fs_read(bound, views),
                                   run.cold(bound.parent)))
         _check(run.state, run.ref, "fs read")
+    cold_loads = [lambda: restore("ftkit_hdf5_load"), dcp_load, torch_load, fs_read]
+    for i in range(repeat):
+        for load in _rotated(cold_loads, i):
+            load()
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -415,7 +439,7 @@ def _child(args: argparse.Namespace) -> None:
         for rounds in saves:
             next(rounds, None)            # closes the Checkpointer
         _stall.measure(run, args.repeat, _timed, _rm)
-        _loads(run, args.repeat, saved, dirs, bound)
+        _loads(run, args.load_repeat or args.repeat, saved, dirs, bound)
         flush_mib = comm.gather(run.flush_private, root=0)
         dist.destroy_process_group()
         if rank == 0:
@@ -509,7 +533,8 @@ def _report(args: argparse.Namespace, world: int, nodes: int, nbytes: int, run: 
                 s += f"; goal >= {GOAL})" if goal and i == 0 else ")"
         return s
     lines = [(f"state: {nbytes / 2**20:.1f} MiB over {world} ranks ({nodes} ftkit node(s)), "
-              f"median of {args.repeat} alternating rounds; every read cold"),
+              f"median of {args.repeat} alternating rounds ({args.load_repeat or args.repeat} "
+              f"of the restores, in rotated order); every read cold"),
              line("ftkit_save_total", "torch_dcp_save", "torch_dcp_save_threads")
              + " (until durable on the PFS: capture + node-local + commit + flush)",
              line("ftkit_hdf5_save", "torch_dcp_save", "torch_dcp_async_save", "torch_save",
@@ -540,7 +565,8 @@ def _report(args: argparse.Namespace, world: int, nodes: int, nbytes: int, run: 
         "command": "python bench/hdf5_vs_dcp.py " + " ".join(a for a in sys.argv[1:]
                                                              if a != "--child"),
         "machine": _machine(world, nodes, pfs_root),
-        "state_bytes_all_ranks": nbytes, "repeat": args.repeat, "quick": args.quick,
+        "state_bytes_all_ranks": nbytes, "repeat": args.repeat,
+        "load_repeat": args.load_repeat or args.repeat, "quick": args.quick,
         "statistic": "median of the alternating rounds", "seconds": t,
         "spread": {k: [min(v), max(v)] for k, v in run.rounds.items()},
         "rounds": run.rounds, "stall_state_bytes_per_rank": run.stall_trained,
@@ -585,11 +611,14 @@ def main() -> None:
     ap.add_argument("--dcp-threads", type=int, default=4,
                     help="writer threads of the second DCP save")
     ap.add_argument("--name", default="hdf5_vs_dcp", help="report name: <out>/<name>.json")
+    ap.add_argument("--load-repeat", type=int, default=0,
+                    help="rounds of the restores (0: --repeat); a cold read is cheaper "
+                         "than a save and this disk's reads differ the most")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: 256 KiB per rank, one repeat")
     args = ap.parse_args()
     if args.quick:
-        args.repeat = 1
+        args.repeat, args.load_repeat = 1, 1
     _mpi.run(__file__, args, _child)
 
 

@@ -45,11 +45,11 @@ PARTS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "memory": ([], ["--size-mib", "64"], ["--size-mib", "1", "--saves", "1"]),
     "redundancy": (["--repeat", "5"], ["--size-mib", "16"],
                    ["--ranks", "2", "--size-mib", "1", "--repeat", "1"]),
-    "hdf5_vs_dcp": (["--size-mib", "256", "--repeat", "5"], ["--quick", "--ranks", "2"],
+    "hdf5_vs_dcp": (["--size-mib", "256", "--repeat", "5", "--load-repeat", "9"], ["--quick", "--ranks", "2"],
                     ["--quick", "--ranks", "2", "--size-mib", "4", "--repeat", "1"]),
     # the PFS goals' large setting: 1 GiB per rank, 2 ranks (one per node)
     "hdf5_vs_dcp_1g": (["--ranks", "2", "--ranks-per-node", "1", "--size-mib", "1024",
-                        "--repeat", "4", "--name", "hdf5_vs_dcp_1g"],
+                        "--repeat", "4", "--load-repeat", "7", "--name", "hdf5_vs_dcp_1g"],
                        ["--quick", "--ranks", "2", "--ranks-per-node", "1",
                         "--name", "hdf5_vs_dcp_1g"],
                        ["--quick", "--ranks", "2", "--ranks-per-node", "1", "--repeat", "1",

@@ -14,6 +14,9 @@
 5. the rank group (:meth:`h5group.RankGroup.load`): seal, identity, hard links only, storage
    inside the file, attributes against stored dtype/shape, tree against datasets;
 6. every tensor's bytes against its checksum as they are read.
+
+Once a rank file passed 2., its tensor ranges are read into the page cache on a thread
+(:mod:`ftkit.storage.pfs.prefetch`) while 3.-5. run, until the first tensor read.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5data, h5files
 from ftkit.storage.pfs.h5group import RankGroup
 from ftkit.storage.pfs.hdf5 import COMMITTED, INDEX, check_root, read_commit
+from ftkit.storage.pfs.prefetch import Prefetch
 from ftkit.storage.shard import Landing
 
 
@@ -65,6 +69,7 @@ class StepReader:
             self.digests = files
         self._nodes: dict[str, tuple[Any, int]] = {}
         self._fds: dict[str, int] = {}
+        self.prefetch: Prefetch | None = None
         self.h5, self.size = self._open(self.path, None)
         try:
             self.meta = check_root(self.h5, str(self.path), step=step)
@@ -84,9 +89,19 @@ class StepReader:
         digest = None if self.digests is None else self.digests.get(path.name)
         alone = self.alone and path == self.path     # a file asked for by name
         check = self.digests is not None and (digest is not None or not alone)
-        return h5files.open_file(path, digest, check=check, step=self.step, rank=rank)
+        opened = h5files.open_file(path, digest, check=check, step=self.step, rank=rank)
+        if (check and digest is not None and rank is not None and self.prefetch is None
+                and h5files.rank_file_name(path.name, rank)):
+            self.prefetch = Prefetch(path, digest["raw"])     # checked: its ranges are valid
+        return opened
+
+    def _reading(self) -> None:
+        """Tensor bytes are read from now on: the prefetch (if any) has done its part."""
+        if self.prefetch is not None:
+            self.prefetch.stop()
 
     def close(self) -> None:
+        self._reading()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -187,6 +202,7 @@ class StepReader:
         called before each tensor with its size and with 0 once it is read (a deadline can
         allow for the bytes announced). Raises CorruptCheckpointError naming the dataset."""
         rank = int(group.attrs["rank"])
+        self._reading()
         for i, (entry, ds) in enumerate(zip(group.entries, group.datasets)):
             if progress is not None:
                 progress(entry["nbytes"])
@@ -197,6 +213,7 @@ class StepReader:
     def read_tensor(self, group: RankGroup, index: int, landing: Landing) -> None:
         """Tensor ``index`` of ``group`` into ``landing``, its checksum checked (see
         :meth:`read_into`)."""
+        self._reading()
         self._tensor(int(group.attrs["rank"]), group, group.entries[index],
                      group.datasets[index], landing, True)
 
@@ -209,6 +226,7 @@ class StepReader:
         CorruptCheckpointError naming the dataset and block on a mismatch."""
         entry, ds = group.entries[index], group.datasets[index]
         rank = int(group.attrs["rank"])
+        self._reading()
         where = h5data.spans(ds, entry["nbytes"]) if entry["blocks"] else None
         if where is None:
             return False
