@@ -105,8 +105,8 @@ class DistComm:
             if time.monotonic() > deadline:
                 raise self.timeout_error(phase, step, nbytes=nbytes)
             time.sleep(pause)
-            if not spin:            # at most 1 ms late: a restore makes ~10 agreements
-                pause = min(0.001, pause + 0.0002)
+            if not spin:
+                pause = min(0.005, pause + 0.0002)
 
     def waitall_bulk(self, reqs: list[MPI.Request], phase: str, step: int | None,
                      nbytes: int, keep: Sequence[Any], *, cancel: bool = True) -> None:

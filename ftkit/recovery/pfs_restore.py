@@ -122,7 +122,8 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
     (:mod:`ftkit.recovery.reshard`), else a DP replica (:func:`source_rank`). Local."""
     topo = pfs.topo
     step_dir = pfs.step_dir(step)
-    reader = StepReader(step_dir, step, job=pfs.config.job, require_commit=True)
+    reader = StepReader(step_dir, step, job=pfs.config.job, require_commit=True,
+                        prefetch=topo.rank)
     try:
         meta = reader.meta
         own = None

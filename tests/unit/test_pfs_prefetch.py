@@ -10,12 +10,25 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs import h5read, prefetch
 from ftkit.storage.pfs.h5read import StepReader
 from ftkit.storage.pfs.prefetch import Prefetch
 from tests.unit.test_hdf5_meta import _state, write_step
 
 WAIT = 30.0
+
+
+def _recorded(monkeypatch: pytest.MonkeyPatch) -> list[Prefetch]:
+    """Every prefetch the readers start from now on, in order."""
+    started: list[Prefetch] = []
+
+    class Recorded(Prefetch):
+        def __init__(self, path: Path, ranges: list[list[int]]) -> None:
+            super().__init__(path, ranges)
+            started.append(self)
+    monkeypatch.setattr(h5read, "Prefetch", Recorded)
+    return started
 
 
 def _file(tmp_path: Path, size: int) -> Path:
@@ -80,18 +93,13 @@ def test_a_restore_prefetches_its_rank_file_until_it_reads_the_tensors(
     step_dir = tmp_path / "job" / "step-1"
     states = [_state(0), _state(1)]
     write_step(step_dir, states, rank_files=True)
-    started: list[Prefetch] = []
-
-    class Recorded(Prefetch):
-        def __init__(self, path: Path, ranges: list[list[int]]) -> None:
-            super().__init__(path, ranges)
-            started.append(self)
-    monkeypatch.setattr(h5read, "Prefetch", Recorded)
-    with StepReader(step_dir, 1, require_commit=True) as reader:
-        assert reader.prefetch is None                  # the index: no tensor bytes
-        group = reader.group(1)
+    started = _recorded(monkeypatch)
+    with StepReader(step_dir, 1, require_commit=True, prefetch=1) as reader:
+        # started once COMMITTED was read and the file checked, before the index is opened
         assert [p.path for p in started] == [step_dir / "rank-1.h5"]
-        assert reader.prefetch is started[0] and not started[0]._stopped.is_set()
+        assert reader.prefetch is started[0]
+        group = reader.group(1)
+        assert len(started) == 1 and not started[0]._stopped.is_set()
         _, arrays = reader.read(1)
         assert started[0]._stopped.is_set()
         assert started[0].done.wait(WAIT)
@@ -103,21 +111,47 @@ def test_a_restore_prefetches_its_rank_file_until_it_reads_the_tensors(
                               value)
 
 
-def test_no_prefetch_without_the_digests_that_check_the_file(tmp_path: Path) -> None:
-    """A file not checked against COMMITTED first has no trusted ranges to read ahead."""
+def test_no_prefetch_of_a_file_its_digest_does_not_check(tmp_path: Path) -> None:
+    """Without COMMITTED there are no trusted ranges to read ahead; a rank file that does
+    not match its digest is not read ahead either, and opening its group says why."""
     step_dir = tmp_path / "job" / "step-1"
     write_step(step_dir, [_state(0), _state(1)], rank_files=True)
+    with StepReader(step_dir, 1, require_commit=True, prefetch=0) as reader:
+        assert reader.prefetch is not None
+    with open(step_dir / "rank-0.h5", "ab") as fh:
+        fh.write(b"x")
+    with StepReader(step_dir, 1, require_commit=True, prefetch=0) as reader:
+        assert reader.prefetch is None
+        with pytest.raises(CorruptCheckpointError, match="rank-0.h5"):
+            reader.group(0)
     (step_dir / "COMMITTED").unlink()
-    with StepReader(step_dir, 1) as reader:
-        reader.group(0)
+    with StepReader(step_dir, 1, prefetch=1) as reader:
+        reader.group(1)
         assert reader.prefetch is None
 
 
-def test_close_stops_a_prefetch_never_followed_by_a_read(tmp_path: Path) -> None:
+def test_only_a_reader_asked_to_prefetch_does(tmp_path: Path) -> None:
+    """``ftkit inspect`` reads metadata only: its reader reads no tensor bytes ahead; a
+    restore reads ahead only its own rank's file (each rank another file)."""
     step_dir = tmp_path / "job" / "step-1"
     write_step(step_dir, [_state(0), _state(1)], rank_files=True)
-    reader = StepReader(step_dir, 1, require_commit=True)
+    with StepReader(step_dir, 1, require_commit=True) as reader:
+        reader.group(0)
+        assert reader.prefetch is None
+    with StepReader(step_dir, 1, require_commit=True, prefetch=1) as reader:
+        assert reader.prefetch is not None and reader.prefetch.path.name == "rank-1.h5"
+
+
+def test_close_or_a_failed_open_stops_the_prefetch(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    step_dir = tmp_path / "job" / "step-1"
+    write_step(step_dir, [_state(0), _state(1)], rank_files=True)
+    reader = StepReader(step_dir, 1, require_commit=True, prefetch=0)
     reader.group(0)
     assert reader.prefetch is not None
     reader.close()
     assert reader.prefetch._stopped.is_set() and reader.prefetch.done.wait(WAIT)
+    started = _recorded(monkeypatch)
+    with pytest.raises(CorruptCheckpointError, match="another"):
+        StepReader(step_dir, 1, require_commit=True, prefetch=0, job="another")
+    assert len(started) == 1 and started[0]._stopped.is_set()

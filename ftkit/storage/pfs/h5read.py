@@ -48,11 +48,16 @@ class StepReader:
     step, read on its own; context manager). ``meta``: its attributes, trusted.
 
     ``require_commit``: the step must have a verified COMMITTED record with file digests
-    (restore); otherwise one is used when present. ``job``: the job the step must belong to."""
+    (restore); otherwise one is used when present. ``job``: the job the step must belong to.
+    ``prefetch``: that rank's file (``rank-<r>.h5``), checked against its digest as soon as
+    COMMITTED is read, has its tensor ranges read into the page cache from then until the
+    first tensor read, while the index, node file and group are opened and verified
+    (:mod:`ftkit.storage.pfs.prefetch`: a restore's own rank, whose file it reads next; not
+    a tool that may read only metadata, nor every rank of a job the file of one)."""
 
     def __init__(self, step_dir: Path, step: int | None = None, *,
                  file: Path | None = None, job: str | None = None,
-                 require_commit: bool = False) -> None:
+                 require_commit: bool = False, prefetch: int | None = None) -> None:
         self.step_dir, self.step, self.job = Path(step_dir), step, job
         self.path = Path(file) if file is not None else self.step_dir / INDEX
         self.alone = file is not None
@@ -70,12 +75,19 @@ class StepReader:
         self._nodes: dict[str, tuple[Any, int]] = {}
         self._fds: dict[str, int] = {}
         self.prefetch: Prefetch | None = None
-        self.h5, self.size = self._open(self.path, None)
+        if prefetch is not None:
+            self._prefetch(prefetch)
+        try:
+            self.h5, self.size = self._open(self.path, None)
+        except BaseException:
+            self._stop_prefetch()
+            raise
         try:
             self.meta = check_root(self.h5, str(self.path), step=step)
             self._check_job(self.meta.get("job"), str(self.path))
         except BaseException:
             self.h5.close()
+            self._stop_prefetch()
             raise
 
     def _check_job(self, job: Any, where: str) -> None:
@@ -89,19 +101,28 @@ class StepReader:
         digest = None if self.digests is None else self.digests.get(path.name)
         alone = self.alone and path == self.path     # a file asked for by name
         check = self.digests is not None and (digest is not None or not alone)
-        opened = h5files.open_file(path, digest, check=check, step=self.step, rank=rank)
-        if (check and digest is not None and rank is not None and self.prefetch is None
-                and h5files.rank_file_name(path.name, rank)):
-            self.prefetch = Prefetch(path, digest["raw"])     # checked: its ranges are valid
-        return opened
+        return h5files.open_file(path, digest, check=check, step=self.step, rank=rank)
 
-    def _reading(self) -> None:
-        """Tensor bytes are read from now on: the prefetch (if any) has done its part."""
+    def _prefetch(self, rank: int) -> None:
+        """Start reading ``rank``'s file's tensor ranges ahead, once the file matched its
+        digest (a file that does not is left to :meth:`group`, which says why)."""
+        name = f"rank-{rank}.h5"
+        digest = None if self.digests is None else self.digests.get(name)
+        if digest is None:
+            return
+        try:
+            h5files.check_file(self.step_dir / name, digest, step=self.step, rank=rank)
+        except CorruptCheckpointError:
+            return
+        self.prefetch = Prefetch(self.step_dir / name, digest["raw"])  # checked: valid ranges
+
+    def _stop_prefetch(self) -> None:
+        """Tensor bytes are read from now on (or never): the prefetch has done its part."""
         if self.prefetch is not None:
             self.prefetch.stop()
 
     def close(self) -> None:
-        self._reading()
+        self._stop_prefetch()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -202,7 +223,7 @@ class StepReader:
         called before each tensor with its size and with 0 once it is read (a deadline can
         allow for the bytes announced). Raises CorruptCheckpointError naming the dataset."""
         rank = int(group.attrs["rank"])
-        self._reading()
+        self._stop_prefetch()
         for i, (entry, ds) in enumerate(zip(group.entries, group.datasets)):
             if progress is not None:
                 progress(entry["nbytes"])
@@ -213,7 +234,7 @@ class StepReader:
     def read_tensor(self, group: RankGroup, index: int, landing: Landing) -> None:
         """Tensor ``index`` of ``group`` into ``landing``, its checksum checked (see
         :meth:`read_into`)."""
-        self._reading()
+        self._stop_prefetch()
         self._tensor(int(group.attrs["rank"]), group, group.entries[index],
                      group.datasets[index], landing, True)
 
@@ -226,7 +247,7 @@ class StepReader:
         CorruptCheckpointError naming the dataset and block on a mismatch."""
         entry, ds = group.entries[index], group.datasets[index]
         rank = int(group.attrs["rank"])
-        self._reading()
+        self._stop_prefetch()
         where = h5data.spans(ds, entry["nbytes"]) if entry["blocks"] else None
         if where is None:
             return False

@@ -5,12 +5,14 @@ the rank group is verified (:meth:`ftkit.storage.pfs.h5group.RankGroup.load`): t
 milliseconds of CPU with the disk idle — and only then reads the tensors, disk-bound, with
 the CPU mostly waiting. Once the rank file's bytes outside its tensor data matched their
 ``COMMITTED`` digest (:func:`ftkit.storage.pfs.h5files.check_file`), the digest's ``raw``
-ranges say where the tensor bytes lie. :class:`Prefetch` reads them, in file order, on a
-thread of its own into a scratch buffer it throws away (the page cache keeps them), until
-the restore starts reading the tensors (:meth:`Prefetch.stop`): the disk works while the
-CPU parses. 4 ranks x 256 MiB, cold, on a 2-core machine, alternating restores: median 0.69 s
-with the prefetch, 0.82 s without. It stops at the tensor read, not later: run on beside
-it, it only doubled the read's copies (0.77 s against 0.78 s).
+ranges say where the tensor bytes lie; a restore checks its rank's file right after reading
+``COMMITTED`` (``StepReader(prefetch=rank)``), before it opens the index. :class:`Prefetch`
+reads those ranges, in file order, on a thread of its own into a scratch buffer it throws
+away (the page cache keeps them), until the restore starts reading the tensors
+(:meth:`Prefetch.stop`): the disk works while the CPU parses. 4 ranks x 256 MiB, cold, on a
+2-core machine, alternating restores: median 0.69 s with the prefetch, 0.82 s without. It
+stops at the tensor read, not later: run on beside it, it only doubled the read's copies
+(0.77 s against 0.78 s).
 
 Nothing read here is used, so nothing here is trusted: the tensor read reads every byte
 again and checks it against its checksum. A failing read ends the prefetch quietly (the
