@@ -357,7 +357,10 @@ def _loads(run: _Run, repeat: int, saved: int, dirs: dict[str, Path], bound: Pat
         for load in _rotated(local_loads, i):
             load()
     local_bound.unlink()
-    _rm(run.comm, run.cfg.job_local_dir)          # node-local copies gone: restore from PFS
+
+    def pfs_restore() -> None:
+        _rm(run.comm, run.cfg.job_local_dir)      # node-local copies gone: restore from PFS
+        restore("ftkit_hdf5_load")
 
     def dcp_load() -> None:
         run.add("torch_dcp_load", _timed(run.comm, lambda: dcp.load(
@@ -382,7 +385,7 @@ def _loads(run: _Run, repeat: int, saved: int, dirs: dict[str, Path], bound: Pat
         run.add("fs_read", _timed(run.comm, lambda: _disk.fs_read(bound, views),
                                   run.cold(bound.parent)))
         _check(run.state, run.ref, "fs read")
-    cold_loads = [lambda: restore("ftkit_hdf5_load"), dcp_load, torch_load, fs_read]
+    cold_loads = [pfs_restore, dcp_load, torch_load, fs_read]
     for i in range(repeat):
         for load in _rotated(cold_loads, i):
             load()
