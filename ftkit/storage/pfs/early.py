@@ -4,10 +4,11 @@
 A step due at both ``local`` and ``pfs`` is captured into a reserved slot of the node-local
 level (:mod:`ftkit.storage.slots`). When this rank has no flush running, an *early write*
 starts on a thread of its own as the capture begins (an asynchronous Checkpointer: once the
-staging has landed, so it never slows down what the training loop may wait for): it writes this rank's PFS file tensor
-by tensor as each one lands in the slot (:meth:`Reservation.wait_landed`, which gives the
-tensor's checksum), verifying the bytes it copies against that checksum, under a private
-temp name in the job's staging directory ``<pfs>/<job>/.early/``. So the PFS write of a step
+staging has landed, so it never slows down what the training loop may wait for): it writes
+this rank's PFS file tensor by tensor as each one lands in the slot
+(:meth:`Reservation.wait_landed`, which gives the tensor's checksum), verifying the bytes it
+copies against that checksum, under a private temp name in the job's staging directory
+``<pfs>/<job>/.early/``. So the PFS write of a step
 overlaps its capture and its protocol instead of following them.
 
 The early file is the *tentative* snapshot's and nothing names it. It becomes part of the
@@ -18,7 +19,8 @@ and after every rank agreed on that — when the rank renames it to
 the step, the capture fails, the flush is delayed or skipped, the Checkpointer closes or is
 abandoned) discards it (:meth:`EarlyWrite.discard`): its thread stops at the next tensor
 and the temp is removed. A crash leaves a temp that nothing names and nothing reads: rank
-0 removes every one as its next Checkpointer starts (the relaunch; an in-job generation). The PFS step's ``COMMITTED`` record stays its only commit point. Local.
+0 removes every one as its next Checkpointer starts (the relaunch; an in-job generation).
+The PFS step's ``COMMITTED`` record stays its only commit point. Local.
 """
 from __future__ import annotations
 

@@ -223,7 +223,6 @@ class StepReader:
         called before each tensor with its size and with 0 once it is read (a deadline can
         allow for the bytes announced). Raises CorruptCheckpointError naming the dataset."""
         rank = int(group.attrs["rank"])
-        self._stop_prefetch()
         for i, (entry, ds) in enumerate(zip(group.entries, group.datasets)):
             if progress is not None:
                 progress(entry["nbytes"])
@@ -234,7 +233,6 @@ class StepReader:
     def read_tensor(self, group: RankGroup, index: int, landing: Landing) -> None:
         """Tensor ``index`` of ``group`` into ``landing``, its checksum checked (see
         :meth:`read_into`)."""
-        self._stop_prefetch()
         self._tensor(int(group.attrs["rank"]), group, group.entries[index],
                      group.datasets[index], landing, True)
 
@@ -247,7 +245,6 @@ class StepReader:
         CorruptCheckpointError naming the dataset and block on a mismatch."""
         entry, ds = group.entries[index], group.datasets[index]
         rank = int(group.attrs["rank"])
-        self._stop_prefetch()
         where = h5data.spans(ds, entry["nbytes"]) if entry["blocks"] else None
         if where is None:
             return False
@@ -284,7 +281,9 @@ class StepReader:
                                              f"data has {got})")
 
     def _fd(self, path: Path, rank: int) -> int:
-        """``path`` (a file of this step already checked and opened) open for ``preadv``."""
+        """``path`` (a file of this step already checked and opened) open for ``preadv``:
+        every read of tensor bytes starts here, so the prefetch stops here."""
+        self._stop_prefetch()
         key = str(path)
         if key not in self._fds:
             self._fds[key] = h5files.open_regular(path, step=self.step, rank=rank)

@@ -99,8 +99,8 @@ class PfsLevel:
     def write_early(self, step: int, res: Reservation, pool: cf.ThreadPoolExecutor,
                     patience: float) -> EarlyWrite | None:
         """Start this rank's early write of ``step`` from the reservation its capture fills
-        (:mod:`ftkit.storage.pfs.early`); None (logged) when the staging directory cannot be had: the flush then writes the
-        file itself. Per-rank files only. Local."""
+        (:mod:`ftkit.storage.pfs.early`); None (logged) when the staging directory cannot be
+        had: the flush then writes the file itself. Per-rank files only. Local."""
         if self.shared:
             return None
         try:

@@ -51,22 +51,22 @@ class Prefetch:
     def _run(self, ranges: list[list[int]]) -> None:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            log.debug("prefetch of %s not started: %s", self.path, exc)
-            self.done.set()
-            return
-        try:
-            scratch = memoryview(bytearray(PIECE))
-            for offset, length in ranges:
-                for at in range(offset, offset + length, PIECE):
-                    if self._stopped.is_set():
-                        return
-                    n = os.preadv(fd, [scratch[:min(PIECE, offset + length - at)]], at)
-                    if n <= 0:
-                        return
-                    self.read += n
+            try:
+                self._read(fd, ranges)
+            finally:
+                os.close(fd)
         except OSError as exc:
             log.debug("prefetch of %s ended: %s", self.path, exc)
         finally:
-            os.close(fd)
             self.done.set()
+
+    def _read(self, fd: int, ranges: list[list[int]]) -> None:
+        scratch = memoryview(bytearray(PIECE))
+        for offset, length in ranges:
+            for at in range(offset, offset + length, PIECE):
+                if self._stopped.is_set():
+                    return
+                n = os.preadv(fd, [scratch[:min(PIECE, offset + length - at)]], at)
+                if n <= 0:
+                    return
+                self.read += n
