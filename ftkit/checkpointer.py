@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -292,31 +292,53 @@ class Checkpointer:
         """Finish background work, then mark the job complete once every rank got here
         (``stopped``: ended early on a stop request). All ranks call. When the newest PFS
         flush attempted failed, rank 0 logs an ERROR (the newest committed steps are only on
-        the node-local levels) but nothing is raised."""
+        the node-local levels) but nothing is raised. Whatever the background work raised
+        (the newest checkpoint's CheckpointError), the job's locks, slots and communicators
+        are given back before it is re-raised: a new Checkpointer of the job may start."""
         if self._closed:
             return
         self._closed = True
+        tidy = False
         try:
-            self.wait()
+            try:
+                self.wait()
+            finally:
+                self._stop_threads(wait=True)
+            self.flushes.report_unflushed(self.last_committed)
+            tidy = all(self.dc.allgather(self._may_tidy(stopped), "close"))
+            done = os.environ.get("FTKIT_DONE_FILE")
+            if done and self.topo.rank == 0:
+                write_done(Path(done), {"job": self.config.job, "attempt": self.config.attempt,
+                                        "last_committed": self.last_committed,
+                                        "time": time.time(), "stopped": stopped,
+                                        "local_removed": tidy,
+                                        "unflushed": self.flushes.unflushed()})
         finally:
-            self._guard.remove()
-            self.stager.close()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self.flushes.shutdown()
-        self.flushes.report_unflushed(self.last_committed)
-        tidy = all(self.dc.allgather(self._may_tidy(stopped), "close"))
-        done = os.environ.get("FTKIT_DONE_FILE")
-        if done and self.topo.rank == 0:
-            write_done(Path(done), {"job": self.config.job, "attempt": self.config.attempt,
-                                    "last_committed": self.last_committed,
-                                    "time": time.time(), "stopped": stopped,
-                                    "local_removed": tidy})
-        self.levels.free()
+            self._release(tidy)
+
+    def _stop_threads(self, *, wait: bool) -> None:
+        """Stop the staging, the checkpoint thread and the flushes. Local."""
+        self._guard.remove()
+        self.stager.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait)
+        self.flushes.shutdown(wait=wait)
+
+    def _release(self, tidy: bool) -> None:
+        """Give back the levels' slots and communicators, the PFS level's, this object's
+        and the job's locks, each whatever the one before raised (logged). Local."""
+        parts: list[tuple[str, Callable[[], None]]] = [("levels", self.levels.free)]
         if self.pfs is not None:
-            self.pfs.free()
-        self.dc.free()
-        self.claim.release(tidy=tidy)
+            parts.append(("pfs", self.pfs.free))
+        parts += [("communicator", self.dc.free),
+                  ("locks", lambda: self.claim.release(tidy=tidy)),
+                  ("in-job registration", lambda: injob.disown(self))]
+        for what, free in parts:
+            try:
+                free()
+            except Exception:
+                log.exception("rank %d: closing the Checkpointer: releasing its %s failed",
+                              self.topo.rank, what)
 
     def abandon(self) -> None:
         """In-job recovery, after a peer failed: stop this Checkpointer's threads and give
@@ -330,11 +352,7 @@ class Checkpointer:
         if pending is not None:     # its next wait raises PeerLost (an old generation's)
             with contextlib.suppress(Exception):
                 pending.result(timeout=ABANDON_WAIT_S)
-        self._guard.remove()
-        self.stager.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        self.flushes.shutdown(wait=False)
+        self._stop_threads(wait=False)
         self.claim.release()
         injob.disown(self)
 

@@ -13,6 +13,7 @@ import collections
 import concurrent.futures as cf
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from ftkit.comm.dist import describe
 from ftkit.errors import ProtocolTimeout
@@ -135,20 +136,29 @@ class Flushes:
         if self._early_pool is not None:
             self._early_pool.shutdown(wait=wait)
 
+    def unflushed(self) -> dict[str, Any] | None:
+        """``{"step", "why", "last_flushed"}`` of the newest failed PFS flush when no later
+        step reached the PFS (the newest committed steps are only node-local), else None.
+        Local."""
+        failed = [s for s in self.failures
+                  if self.last_flushed is None or s > self.last_flushed]
+        if not failed:
+            return None
+        step = max(failed)
+        return {"step": step, "why": self.failures[step], "last_flushed": self.last_flushed}
+
     def report_unflushed(self, last_committed: int | None) -> None:
         """Rank 0, at close: an ERROR when the newest PFS flush attempted failed, so the
         newest committed step is only on the node-local levels."""
-        failed = [s for s in self.failures
-                  if self.last_flushed is None or s > self.last_flushed]
-        if self.rank != 0 or not failed:
+        lost = self.unflushed()
+        if self.rank != 0 or lost is None:
             return
-        step = max(failed)
         on_pfs = (f"the newest step on the PFS is {self.last_flushed}"
                   if self.last_flushed is not None else "no step reached the PFS in this attempt")
         log.error("committed step %s is only on the node-local levels: the PFS flush of step "
                   "%d failed (%s); %s. A relaunch on the same nodes resumes from the node-local "
-                  "levels; if those nodes are lost, from the PFS", last_committed, step,
-                  self.failures[step], on_pfs)
+                  "levels; if those nodes are lost, from the PFS", last_committed, lost["step"],
+                  lost["why"], on_pfs)
 
     # --------------------------------------------------------------- internals
     def _drain(self, result: Callable[[cf.Future[None], str], None]) -> None:

@@ -189,6 +189,12 @@ class JobLock:
                     why)
 
     def _refusal(self, holder: Mapping[str, Any] | None, what: str) -> str:
+        if holder is not None and _is_this_process(holder):
+            return (f"job {self.job}: {self.path} ({what}) is held by this very process "
+                    f"(pid {os.getpid()}, as {holder.get('role', '?')}): "
+                    f"an earlier Checkpointer of this job in this process was not closed; "
+                    f"call its close() (it gives the locks back even when it raises) before "
+                    f"making another")
         return (f"job {self.job} is already running: {describe(holder)} holds {self.path} "
                 f"({what}); two instances of one job would destroy each other's checkpoints. "
                 f"Wait for it to end and launch again to resume it, or use another FTKIT_JOB")
@@ -205,6 +211,13 @@ class JobLock:
     @property
     def held(self) -> bool:
         return self.fd is not None
+
+
+def _is_this_process(holder: Mapping[str, Any]) -> bool:
+    """Is ``holder`` (a lock file's description) this process on this host? Pure but for
+    the process id and host name."""
+    return holder.get("pid") == os.getpid() \
+        and holder.get("host") == socket.gethostname()
 
 
 def _read(fd: int) -> dict[str, Any] | None:

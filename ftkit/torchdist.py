@@ -47,11 +47,16 @@ def init_torch_distributed(comm: MPI.Comm | Any = None, backend: str | None = No
     call (collective).
 
     ``backend``: ``"nccl"`` when CUDA is available, else ``"gloo"``. With CUDA, the device is
-    ``cuda:<node-local rank mod devices>`` and is made current.
+    ``cuda:<node-local rank mod devices>`` and is made current. A process that another
+    launcher (``torchrun``) started as one of N but that MPI sees alone gets ConfigError at
+    once (:func:`~ftkit.comm.topology.check_launcher`), before any rendezvous could wait.
     """
+    from mpi4py import MPI
+
+    from ftkit.comm.topology import check_launcher
+    check_launcher(os.environ, MPI.COMM_WORLD.Get_size())   # torchrun: refuse, not hang
     import torch
     import torch.distributed as dist
-    from mpi4py import MPI
     comm = getattr(comm, "comm", comm) or MPI.COMM_WORLD
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")

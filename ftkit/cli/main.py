@@ -74,7 +74,12 @@ def _positive_float(text: str) -> float:
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit run -n N [...] -- CMD [ARGS...]``."""
     from ftkit.launch.outcome import DEFAULT_RESTART_DELAY, NOT_RETRIED_STATUS
-    from ftkit.launch.relaunch import DEFAULT_ATTEMPT_TIMEOUT, DEFAULT_STALL_TIMEOUT, LAUNCHERS
+    from ftkit.launch.relaunch import (
+        DEFAULT_ATTEMPT_TIMEOUT,
+        DEFAULT_STALL_TIMEOUT,
+        DEFAULT_STARTUP_TIMEOUT,
+        LAUNCHERS,
+    )
     run = sub.add_parser(
         "run", help="launch CMD on N ranks and relaunch it on failure",
         description="Launch CMD on N ranks (mpiexec locally); on failure relaunch it with "
@@ -118,6 +123,13 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "restore and at every save, commit and flush (default "
                           f"{DEFAULT_STALL_TIMEOUT:g}; 0: never). Keep it above the longest "
                           "time between two checkpoints, and above the restore")
+    run.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT,
+                     metavar="SECONDS",
+                     help="with --in-job: end an attempt (status 124, relaunched like a "
+                          "failure) whose processes have not all passed MPI_Init this long "
+                          "after launch (a process that dies during MPI_Init leaves the others "
+                          f"waiting there; default {DEFAULT_STARTUP_TIMEOUT:g}; 0: never). "
+                          "Keep it above the time your script takes to import")
     run.add_argument("--mpiexec", metavar="PATH",
                      help="mpiexec to use (default: next to this Python, then on PATH)")
     run.add_argument("--launcher-args", metavar="ARGS", default="",
@@ -384,7 +396,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        fresh=_starts_fresh(args.fresh or cfg.start == "fresh"),
                        restart_delay=args.restart_delay,
                        tidy=not args.keep_local, shrink=_shrink(args, cfg),
-                       in_job=args.in_job)
+                       in_job=args.in_job, startup_timeout=args.startup_timeout)
         launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
                                     spec=spec, cfg=cfg, extra=_split_args(args.launcher_args))
         print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "

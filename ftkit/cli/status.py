@@ -20,6 +20,7 @@ from ftkit.config import Config
 from ftkit.events import read_events
 from ftkit.joblock import LOCK_FILE, describe, held_by
 from ftkit.launch.jobs import jobs_in
+from ftkit.launch.orphans import held_locks, this_host_job_dir
 from ftkit.recovery.identity import RUN_FILE
 from ftkit.storage.stepnames import step_dirs
 
@@ -49,14 +50,15 @@ def local_steps(job_local: Path) -> dict[str, list[dict[str, Any]]]:
 def job_status(cfg: Config, events: int = 5) -> dict[str, Any]:
     """Everything ``ftkit status JOB`` says, as a dict (plain file reads)."""
     job_dir = cfg.job_pfs_dir
-    host = os.environ.get("SLURMD_NODENAME")
-    job_local = Path(cfg.local_dir) / host / cfg.job if host else cfg.job_local_dir
+    job_local = this_host_job_dir(cfg)
     log = list(read_events(cfg.events_path)) if cfg.events_path.is_file() else []
     holder = held_by(job_dir / LOCK_FILE)
     outcome = next((e for e in reversed(log) if e.get("event") in OUTCOMES), None)
     run = _run_id(job_dir / RUN_FILE)
+    ranks = {str(p): describe(h) for p, h in held_locks(job_local).items()}
     return {"job": cfg.job, "pfs_dir": str(job_dir), "local_dir": str(job_local),
-            "running": describe(holder) if holder is not None else None, "run": run,
+            "running": describe(holder) if holder is not None else None, "ranks": ranks,
+            "run": run,
             "pfs": committed_steps(job_dir), "local": local_steps(job_local),
             "outcome": outcome, "events": log[-events:] if events else []}
 
@@ -94,9 +96,18 @@ def _outcome(e: dict[str, Any] | None) -> str:
     return f"{what}" + (f" (step {e['step']})" if "step" in e else "")
 
 
+def _running(st: dict[str, Any]) -> str:
+    """``running (holder)``, ``not running``, or what still holds its node-local locks."""
+    if st["running"]:
+        return f"running ({st['running']})"
+    if st["ranks"]:
+        return ("no ftkit run holds it, but its ranks still run on this host (" +
+                "; ".join(f"{who} holds {path}" for path, who in st["ranks"].items()) + ")")
+    return "not running"
+
+
 def print_job(st: dict[str, Any]) -> None:
-    print(f"job {st['job']}: " + (f"running ({st['running']})" if st["running"]
-                                  else "not running") + f"; {_outcome(st['outcome'])}")
+    print(f"job {st['job']}: {_running(st)}; {_outcome(st['outcome'])}")
     print(f"  run id: {st['run'] or 'none'}")
     print(f"  PFS {st['pfs_dir']}: committed steps {_steps(st['pfs'])}")
     if not st["local"]:
@@ -122,7 +133,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"ftkit status: no job under FTKIT_PFS_DIR={base.pfs_dir}")
         for st in jobs:
             newest = st["pfs"][-1]["step"] if st["pfs"] else None
-            print(f"{st['job']}: {'running' if st['running'] else 'not running'}; "
+            running = "running" if st["running"] else \
+                "ranks still running" if st["ranks"] else "not running"
+            print(f"{st['job']}: {running}; "
                   f"newest PFS step {newest if newest is not None else 'none'}; "
                   f"{_outcome(st['outcome'])}")
         return 0

@@ -75,6 +75,9 @@ def resilient(train: Callable[[Any], T]) -> T | None:
     (module doc), else once over ``MPI.COMM_WORLD``. Every process of the job calls it;
     returns ``train``'s result on the working ranks, None on the spares."""
     from mpi4py import MPI
+
+    from ftkit.comm.topology import check_launcher
+    check_launcher(os.environ, MPI.COMM_WORLD.Get_size())   # torchrun: refuse, not hang
     spares = spare_ranks()
     if spares is None:
         return train(MPI.COMM_WORLD)
@@ -107,6 +110,7 @@ class InJob:
         flag.activate()
         sockets.install()
         gen = membership.first_generation(self.n)
+        _started(gen)
         while True:
             deadline = Deadline(self.timeout, gen.logical, fall_back,
                                 who(gen.logical, MPI.COMM_WORLD.Get_rank()))
@@ -313,6 +317,23 @@ def who(rank: int, process: int) -> str:
     if rank < 0:
         return f"spare process {process}"
     return f"rank {rank}" if rank == process else f"rank {rank} (process {process})"
+
+
+def _started(gen: Any) -> None:
+    """Process 0 of the first generation records that every process passed MPI_Init (the
+    first generation's gather needed them all): ``ftkit run`` watches for it (its start-up
+    deadline; a process that dies during MPI_Init leaves the others waiting there)."""
+    from ftkit.config import Config
+    from ftkit.events import append_event, mark_progress
+    if gen.world.Get_rank() != 0:
+        return
+    cfg = Config.load()
+    try:
+        append_event(cfg.events_path, "in-job-start", job=cfg.job, attempt=cfg.attempt,
+                     rank=0, processes=gen.world.Get_size(), working=gen.n)
+    except OSError as exc:
+        log.warning("in-job: cannot record the start: %s", exc)
+        mark_progress(cfg.events_path)
 
 
 def _event(rebuilt: Any, old: Any) -> None:

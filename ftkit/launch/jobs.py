@@ -7,7 +7,7 @@ relaunches), so a second run in the same directory never resumes the first by ac
 ``ftkit run --resume JOB`` continues JOB; ``--resume`` alone the job whose event log changed
 last. A job that ended well under ``ftkit run`` leaves no node-local copies behind when its
 newest committed step is on the PFS, unless ``--keep-local`` (the ranks remove them, see
-:mod:`ftkit.recovery.claim`; :func:`tidy_line` says what happened). This module imports
+:mod:`ftkit.recovery.claim`; :func:`end_line` says what happened). This module imports
 neither mpi4py nor torch.
 """
 from __future__ import annotations
@@ -94,12 +94,30 @@ def choose_job(cfg: Config, resume: str | None) -> JobChoice:
     return JobChoice(dataclasses.replace(cfg, job=resume), f"job {resume} (continuing it)")
 
 
-def tidy_line(cfg: Config, record: dict[str, Any]) -> str:
-    """The line ``ftkit run`` prints after a successful end that asked the ranks to remove
-    the node-local copies (:mod:`ftkit.recovery.claim`), from the completion marker
-    ``record``: removed, or kept and why ("" when the job committed nothing)."""
+def end_line(cfg: Config, record: dict[str, Any], *, tidy: bool) -> str:
+    """The line ``ftkit run`` prints after a successful end about the job's node-local
+    copies, from the completion marker ``record`` (pure): where the newest step is when it
+    is only node-local because its PFS flush failed; with ``tidy`` (the ranks were asked to
+    remove the copies, :mod:`ftkit.recovery.claim`) whether they did; a marker without
+    details (the PFS had no room even for it) says so. "" when there is nothing to say."""
+    if not record:
+        return (f"the job's completion record is empty (no room on the PFS under "
+                f"{cfg.job_pfs_dir}): its newest committed steps may be only in node-local "
+                f"copies under {cfg.local_dir} (ftkit status {cfg.job} shows them; ftkit run "
+                f"--resume {cfg.job} ... continues from them)")
     step = record.get("last_committed")
     if not isinstance(step, int) or isinstance(step, bool):
+        return ""
+    lost = record.get("unflushed")
+    if isinstance(lost, dict) and isinstance(lost.get("step"), int):
+        newest = lost.get("last_flushed")
+        on_pfs = f"step {newest} is the newest on the PFS" if isinstance(newest, int) \
+            else "no step of this attempt is on the PFS"
+        return (f"step {step} of job {cfg.job} is only in the node-local copies under "
+                f"{cfg.local_dir} (the PFS flush of step {lost['step']} failed: "
+                f"{lost.get('why', '?')}; {on_pfs}); they are kept: ftkit run --resume "
+                f"{cfg.job} ... continues from them on the same nodes")
+    if not tidy:
         return ""
     if record.get("local_removed"):
         return (f"removed the node-local copies of job {cfg.job} on every node (step {step} "

@@ -46,15 +46,24 @@ def stall_reason(seconds: float) -> str:
     return f"no progress for {seconds:g} s (no checkpoint event)"
 
 
+def startup_reason(seconds: float) -> str:
+    """Why an attempt whose processes did not all start within ``seconds`` was ended
+    (pure)."""
+    return (f"the job did not start within {seconds:g} s (no event: a process died or hung "
+            f"during start-up, before MPI could report it)")
+
+
 def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, timeout: float,
           interrupted: int | None = None, fatal: Mapping[str, Any] | None = None, *,
           stalled: float | None = None, failed: Mapping[int, str] | None = None,
-          released: bool = False, lost: str = "") -> AttemptResult:
+          released: bool = False, lost: str = "", startup: float | None = None
+          ) -> AttemptResult:
     """Turn what was observed into an :class:`AttemptResult` (pure).
 
     ``returncode`` is Popen's (negative: the launcher itself died of that signal), ``None``
     when the watchdog ended the attempt: after ``stalled`` seconds without progress when that
-    is given, else at the ``timeout``. ``fatal`` (a rank's record of an error that would
+    is given, ``startup`` seconds without the job's first event when that is, else at the
+    ``timeout``. ``fatal`` (a rank's record of an error that would
     recur) makes a failed attempt final, unless ``ftkit run`` was interrupted. ``failed``
     (:func:`ftkit.launch.failures.explain`) names the ranks that took the attempt down.
     ``released``: the marker says the job finished after an in-job recovery and released
@@ -65,7 +74,8 @@ def judge(attempt: int, returncode: int | None, marker: bool, seconds: float, ti
     failed = {} if failed is None else dict(failed)
     rc = None if returncode is None else (128 - returncode if returncode < 0 else returncode)
     if returncode is None:
-        reason = stall_reason(stalled) if stalled is not None else f"timeout after {timeout:g} s"
+        reason = stall_reason(stalled) if stalled is not None else \
+            startup_reason(startup) if startup is not None else f"timeout after {timeout:g} s"
         status, ok = TIMEOUT_STATUS, False
     elif returncode < 0:
         reason, status, ok = f"launcher killed by {signame(-returncode)}", 128 - returncode, False

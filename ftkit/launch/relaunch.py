@@ -56,8 +56,9 @@ from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.failures import StderrTee, explain, lost_daemons_reason, signame
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_recurring, read_records
-from ftkit.launch.jobs import TIDY_ENV, tidy_line
+from ftkit.launch.jobs import TIDY_ENV, end_line
 from ftkit.launch.mpiexec import MpiexecLauncher
+from ftkit.launch.orphans import die_with, this_host_job_dir, wait_for_orphans
 from ftkit.launch.outcome import (
     AttemptResult,
     attempt_line,
@@ -71,6 +72,10 @@ log = logging.getLogger(__name__)
 LAUNCHERS = ("auto", "mpiexec", "srun")
 DEFAULT_ATTEMPT_TIMEOUT = 0.0      # no wall-clock limit per attempt (0: none)
 DEFAULT_STALL_TIMEOUT = 3600.0     # an attempt without a checkpoint event this long is hung
+#: --in-job: an attempt whose processes did not all pass MPI_Init this long after launch is
+#: ended (a process that dies during MPI_Init leaves the others waiting there: ULFM does not
+#: cover initialisation)
+DEFAULT_STARTUP_TIMEOUT = 180.0
 DEFAULT_KILL_GRACE = 5.0
 REQUEUE_FAILED_STATUS = 75          # EX_TEMPFAIL: resubmit to continue
 _TEE_WAIT_S = 5.0     # for the launcher's last words once it exited (a process outside its
@@ -141,6 +146,8 @@ class RunSpec:
     #                                      a multiple of this (0: requeue instead; Slurm)
     in_job: bool = False                 # --in-job: spares are ranks replacing failed ones
     #                                      in the running job (ULFM)
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT    # --in-job: seconds from launch to
+    #                                      the job's first event; 0: not watched
 
     def start(self, attempt: int) -> str:
         """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
@@ -156,6 +163,7 @@ class RunSpec:
                   (self.shrink >= 0, f"--shrink-multiple must be >= 1, got {self.shrink}"),
                   _seconds_ok(self.attempt_timeout, "--attempt-timeout", "no limit"),
                   _seconds_ok(self.stall_timeout, "--stall-timeout", "no watchdog"),
+                  _seconds_ok(self.startup_timeout, "--startup-timeout", "not watched"),
                   (self.kill_grace >= 0, f"kill grace must be >= 0, got {self.kill_grace}"))
         for ok, message in checks:
             if not ok:
@@ -273,19 +281,25 @@ def _terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
 
 
 class AttemptWatch:
-    """The watchdog of one running attempt: its wall-clock limit and its progress.
+    """The watchdog of one running attempt: its wall-clock limit, its start-up and its
+    progress.
 
     ``timeout`` (0: none) counts from ``start``; ``stall`` (0: none) from the last progress:
     the start, or the last check that found ``events`` (the job's event log) changed in
-    size, modification time or identity. Checked by the launcher's wait loop only; a
-    monotonic clock is passed in, so a test can drive it.
+    size, modification time or identity; ``startup`` (0: none) from ``start`` until the first
+    such change (the job's first event: under ``--in-job``, written once every process
+    passed MPI_Init). Checked by the launcher's wait loop only; a monotonic clock is passed
+    in, so a test can drive it.
     """
 
-    def __init__(self, start: float, timeout: float, stall: float, events: Path | None
-                 ) -> None:
+    def __init__(self, start: float, timeout: float, stall: float, events: Path | None,
+                 startup: float = 0.0) -> None:
         self.deadline = start + timeout if timeout else math.inf
         self.stall, self.events = stall, events
-        self.why: str | None = None            # "timeout" or "stall" once expired
+        self.startup_deadline = start + startup if startup and events is not None \
+            else math.inf
+        self.started = False                   # the event log changed since the start
+        self.why: str | None = None            # "timeout", "startup" or "stall" once expired
         self._mark = self._stat()
         self._progress_at = start
 
@@ -298,14 +312,16 @@ class AttemptWatch:
 
     def expired(self, now: float) -> bool:
         """Whether the attempt must end at ``now`` (:attr:`why` then says which limit)."""
-        if now >= self.deadline:
-            self.why = "timeout"
-        elif self.stall and self.events is not None:
+        if self.events is not None and (self.stall or not self.started):
             mark = self._stat()
             if mark != self._mark:
-                self._mark, self._progress_at = mark, now
-            elif now >= self._progress_at + self.stall:
-                self.why = "stall"
+                self._mark, self._progress_at, self.started = mark, now, True
+        if now >= self.deadline:
+            self.why = "timeout"
+        elif not self.started and now >= self.startup_deadline:
+            self.why = "startup"
+        elif self.stall and self.events is not None and now >= self._progress_at + self.stall:
+            self.why = "stall"
         return self.why is not None
 
 
@@ -349,14 +365,17 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     log.info("attempt %d: %s", attempt, " ".join(argv))
     start = time.monotonic()
     try:
+        # the preexec function calls prctl and getppid only: no lock another thread holds
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE,
+                                preexec_fn=die_with(os.getpid()))  # noqa: PLW1509
     except OSError as exc:
         raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
     assert proc.stderr is not None
     tee = StderrTee(proc.stderr, condense=not log.isEnabledFor(logging.DEBUG))
     tee.start()
-    watch = AttemptWatch(start, spec.attempt_timeout, spec.stall_timeout, events)
+    watch = AttemptWatch(start, spec.attempt_timeout, spec.stall_timeout, events,
+                         spec.startup_timeout if spec.in_job else 0.0)
     try:
         interrupt.attach(proc.pid)
         rc = _wait(proc, watch, spec.kill_grace, interrupt)
@@ -378,6 +397,7 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
     result = judge(attempt, rc, done_file.exists(), seconds, spec.attempt_timeout,
                    interrupt.signum, fatal, failed=failed,
                    stalled=spec.stall_timeout if watch.why == "stall" else None,
+                   startup=spec.startup_timeout if watch.why == "startup" else None,
                    released=released, lost=lost_daemons_reason(tee.scan.lost_nodes))
     return dataclasses.replace(result, resumed=None if events is None
                                else restored_step(events, attempt))
@@ -409,7 +429,9 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
             base_env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
     """Run attempts 0..``spec.max_restarts`` until one succeeds; return the exit status.
     Holds the job's PFS lock (:mod:`ftkit.joblock`) throughout: JobLockedError, before
-    anything runs, when another instance of the job holds it."""
+    anything runs, when another instance of the job holds it, or when ranks of a killed
+    ``ftkit run`` still hold its node-local locks (:mod:`ftkit.launch.orphans`). The
+    launcher of every attempt gets SIGTERM when this process dies."""
     base_env = dict(os.environ if base_env is None else base_env)
     base_env[LAUNCH_ID_ENV] = new_run_id(cfg.job)      # one per ftkit run, all its attempts
     base_env.pop(TIDY_ENV, None)
@@ -423,6 +445,7 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
         log.warning("cannot lock %s (%s): a second instance of job %s is refused only by "
                     "the node-local locks", lock.path, exc, cfg.job)
     try:
+        wait_for_orphans(cfg.job, this_host_job_dir(cfg))
         return _run_attempts(spec, cfg, launcher, base_env, out)
     finally:
         lock.release()
@@ -467,7 +490,7 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
             record = marker.read_marker(done) if result.ok else {}
             if record.get("stopped"):
                 return _stopped(cfg, launcher, record, out)
-            if result.ok and spec.tidy and (line := tidy_line(cfg, record)):
+            if result.ok and (line := end_line(cfg, record, tidy=spec.tidy)):
                 print(f"ftkit run: {line}", file=out, flush=True)
             if result.ok or result.interrupted is not None or result.fatal is not None:
                 break

@@ -294,14 +294,22 @@ class Slots:
 
     def _map(self, slot: Path, size: int) -> _Mapped:
         """The slot mapped writable at ``size`` bytes (created and allocated if new,
-        resized if its size differs); cached while the file stays the same."""
+        resized if its size differs); cached while the file stays the same inode *and*
+        size (a slot truncated behind our back, e.g. a damaged shard it was published as, is
+        mapped anew at its full size: writing through the old mapping would fault)."""
         m = self._open.get(slot)
         try:
             st = os.lstat(slot)
         except FileNotFoundError:
             st = None
-        if m is not None and (st is None or st.st_ino != m.ino or len(m.mm) != size):
-            self._drop(slot)
+        if m is not None and st is not None and st.st_ino == m.ino \
+                and st.st_size < len(m.mm):
+            log.warning("%s: the slot is %d bytes, its mapping %d: the file was truncated "
+                        "(damaged) since it was written; it is mapped anew", slot,
+                        st.st_size, len(m.mm))
+        if m is not None and (st is None or st.st_ino != m.ino or len(m.mm) != size
+                              or st.st_size != size):
+            self._drop(slot)      # a mapping past the file's end would fault (SIGBUS)
             m = None
         if m is None:
             fd = os.open(slot, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -57,37 +57,50 @@ def test_defaults_on_one_machine_and_one_job_per_run(tmp_path: Path) -> None:
     assert (tmp_path / "local" / first).is_dir()
 
 
+ENTRIES = ("ftkit.init_torch_distributed(MPI.COMM_WORLD)",
+           "ftkit.resilient(lambda comm: ftkit.init_torch_distributed(comm))",
+           "ftkit.Topology.create(MPI.COMM_WORLD)")
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_without_an_mpi_world_is_refused(tmp_path: Path) -> None:
     """Under real ``torchrun --nproc-per-node 2`` each process is rank 0 of a 1-process MPI
-    world: ``Topology.create`` refuses on both, naming the launcher and how to launch. (Each
-    process prints its error, then both meet in a gloo barrier before raising it: torchrun
-    SIGTERMs the other processes as soon as one fails, which raced a slower process's
-    message.)"""
+    world: every entry point a script may call first (``init_torch_distributed``, which the
+    README's loop calls before ``Topology.create`` and which would otherwise wait 300 s for a
+    rendezvous torchrun's agent store never serves; ``resilient``; ``Topology.create``)
+    refuses at once on both, naming the launcher and how to launch. (Each process prints its
+    errors, then both meet in a gloo barrier before raising: torchrun SIGTERMs the other
+    processes as soon as one fails, which raced a slower process's message.)"""
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.is_file():
         pytest.skip(f"no torchrun next to {sys.executable}")
     script = tmp_path / "train.py"
     script.write_text(
-        "import datetime\nimport torch.distributed as dist\nfrom mpi4py import MPI\n"
+        "import datetime, time\nimport torch.distributed as dist\nfrom mpi4py import MPI\n"
         "import ftkit\n"
-        "try:\n"
-        "    ftkit.Topology.create(MPI.COMM_WORLD)\n"
-        "except Exception as exc:\n"
-        "    print(f'{type(exc).__name__}: {exc}', flush=True)\n"
-        "    dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
-        "    dist.barrier()\n"
-        "    raise\n"
-        "print('created')\n")
+        f"for entry in {ENTRIES!r}:\n"
+        "    t0 = time.monotonic()\n"
+        "    try:\n"
+        "        eval(entry)\n"
+        "        print('created', flush=True)\n"
+        "    except Exception as exc:\n"
+        "        print(f'{entry} after {time.monotonic() - t0:.0f} s: '\n"
+        "              f'{type(exc).__name__}: {exc}', flush=True)\n"
+        "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))\n"
+        "dist.barrier()\n"
+        "raise SystemExit(1)\n")
     env = job_env(tmp_path)
     res = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--standalone", str(script)],
                          check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=150)
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "created" not in res.stdout, out[-3000:]
-    for rank in (0, 1):
-        assert (f"ConfigError: this process is one of 2 started by torchrun (WORLD_SIZE=2, "
-                f"RANK={rank}), but MPI sees a world of 1 process") in out, out[-3000:]
+    for entry in ENTRIES:
+        for rank in (0, 1):
+            found = re.findall(rf"^{re.escape(entry)} after (\d+) s: ConfigError: this process "
+                               rf"is one of 2 started by torchrun \(WORLD_SIZE=2, RANK={rank}\), "
+                               rf"but MPI sees a world of 1 process", res.stdout, re.MULTILINE)
+            assert found and int(found[0]) <= 5, (entry, rank, out[-3000:])
     assert "launch with `ftkit run -n 2 -- python ...`" in out
 
 

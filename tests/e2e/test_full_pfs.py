@@ -66,6 +66,30 @@ def test_full_pfs_from_the_start(tmp_path: Path,
         marker = pfs / "e2e" / ".done-attempt-0"
         assert marker.is_file() and marker.stat().st_size == 0
         assert not list(pfs.rglob("*.pending"))
+        assert "ftkit run: the job's completion record is empty (no room on the PFS" \
+            in res.stdout, res.tail()
+
+
+@pytest.mark.timeout(300)
+def test_pfs_full_until_the_end_says_which_step_is_only_node_local(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """The PFS fills up before the save of step 5 and stays full: the flushes of steps 6 and
+    8 fail, the job ends in its first attempt, bit-exact, and ``ftkit run``'s last line says
+    that step 8 is only in the node-local copies, where, and that step 4 is the newest on
+    the PFS (the completion record was written over its placeholder's blanks)."""
+    with tmpfs(tmp_path / "pfs", "4m") as pfs:
+        res = run_example(tmp_path, REPO / "tests" / "e2e" / "toy_hooks.py", n=4,
+                          args=("--steps", "8", "--seed", "1"), max_restarts=2, timeout=280,
+                          env={"FTKIT_LEVELS": LEVELS, "FILL_AT": "5",
+                               "FILL_BALLAST": str(pfs / "ballast")})
+        _one_bit_exact_attempt(res, reference_digest(4, 8))
+        assert sorted(_failed_flushes(res)) == [6, 8], res.tail()
+        assert _pfs_committed(pfs)[-1] == 4
+        last = res.stdout.strip().splitlines()[-1]
+        assert last.startswith(f"ftkit run: step 8 of job e2e is only in the node-local "
+                               f"copies under {tmp_path / 'local'} (the PFS flush of step 8 "
+                               f"failed: "), res.tail()
+        assert "step 4 is the newest on the PFS" in last and "--resume e2e" in last
 
 
 @pytest.mark.timeout(300)

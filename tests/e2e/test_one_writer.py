@@ -7,6 +7,7 @@ neither run, one of them resuming the other's step.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,16 +27,18 @@ LEVELS = "local:1,partner:1"
 HOOKS = Path(__file__).resolve().parent / "toy_hooks.py"
 
 
-def _start(tmp: Path, steps: int, hold_at: int) -> tuple[subprocess.Popen[str], Path]:
+def _start(tmp: Path, steps: int, hold_at: int, **env: str
+           ) -> tuple[subprocess.Popen[str], Path]:
     """``ftkit run`` the toy (seed 1) so that it holds still before the save of ``hold_at``
-    until the returned file exists; returns once it holds (its locks taken, mid-run)."""
+    until the returned file exists; returns once it holds (its locks taken, mid-run).
+    ``env``: more variables of the job."""
     until = tmp / "release"
     cmd = [*FTKIT, "run", "-n", "4", "--ranks-per-node", "2", "--max-restarts", "0",
            "--attempt-timeout", "300", "--", sys.executable, str(HOOKS), "--steps", str(steps),
            "--seed", "1"]
     proc = subprocess.Popen(cmd, cwd=tmp, env=job_env(tmp, FTKIT_LEVELS=LEVELS,
                                                       HOLD_AT=str(hold_at),
-                                                      HOLD_UNTIL=str(until)),
+                                                      HOLD_UNTIL=str(until), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     held = until.with_name(until.name + ".held")
@@ -50,8 +53,8 @@ def _start(tmp: Path, steps: int, hold_at: int) -> tuple[subprocess.Popen[str], 
 def _kill_session(proc: subprocess.Popen[str], tmp: Path) -> None:
     """SIGKILL ``ftkit run`` and every process of the job (its attempts run in sessions of
     their own): what a crashed login node or ``kill -9`` leaves."""
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     mark = str(tmp).encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -60,6 +63,7 @@ def _kill_session(proc: subprocess.Popen[str], tmp: Path) -> None:
                     os.kill(int(pid), signal.SIGKILL)
         except OSError:
             continue
+    proc.communicate(timeout=60)        # EOF once every process holding its pipes is gone
 
 
 @pytest.mark.timeout(600)
@@ -100,15 +104,31 @@ def test_second_instance_of_a_running_job_is_refused(
 
 
 @pytest.mark.timeout(600)
-def test_killed_holder_does_not_block_the_next_run(
+def test_killed_ftkit_run_takes_its_job_with_it(
         tmp_path: Path, reference_digest: Callable[..., str]) -> None:
-    """``ftkit run`` and its job are SIGKILLed while holding every lock (before the save of
-    step 12): the next ``ftkit run`` of the job starts at once, resumes step 11 and ends
-    bit-exact."""
-    first, _release = _start(tmp_path, steps=20, hold_at=12)
-    _kill_session(first, tmp_path)
+    """``ftkit run`` alone is SIGKILLed while its job holds still before the save of step 12
+    (an OOM killer, a closed terminal): the launcher gets its parent-death signal and the
+    ranks end, releasing the node-local locks, within seconds; ``ftkit status`` says the job
+    is not running; the next ``ftkit run`` starts at once, resumes step 11 and ends
+    bit-exact. (Before, the ranks trained on and the next run was refused after launching.)"""
+    # the ranks waiting for rank 0 would end by themselves after FTKIT_TIMEOUT: not here
+    first, _release = _start(tmp_path, steps=20, hold_at=12, FTKIT_TIMEOUT="600")
+    locks = [tmp_path / "local" / "e2e" / f"node-{n}" / LOCK_FILE for n in (0, 1)]
+    try:
+        os.kill(first.pid, signal.SIGKILL)             # ftkit run only, not its job
+        first.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(held_by(p) is not None for p in locks):
+            assert time.monotonic() < deadline, [held_by(p) for p in locks]
+            time.sleep(0.1)
+    finally:
+        _kill_session(first, tmp_path)
+    status = subprocess.run([*FTKIT, "status", "e2e"], cwd=tmp_path, env=job_env(tmp_path),
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert status.stdout.startswith("job e2e: not running;"), status.stdout
     res = run_toy(tmp_path, steps=20, max_restarts=0, FTKIT_LEVELS=LEVELS)
     assert res.rc == 0, res.tail()
     assert "already running" not in res.stderr and "took over" not in res.stderr
+    assert "still hold" not in res.stderr, res.tail()
     assert res.starts[0]["step"] == 11, res.tail()
     assert res.done["digest"] == reference_digest(4, 20), res.tail()

@@ -82,3 +82,36 @@ def test_in_place_change_during_staging_aborts_the_step(ftkit_env, monkeypatch, 
         again.wait()
         assert again.last_committed == 3
         again.close()
+
+
+def test_a_close_that_raises_gives_the_job_back(ftkit_env, monkeypatch):
+    """The torn step's CheckpointError raised by ``close()`` itself (no ``wait()`` first):
+    close still gives back the job's locks, slots and communicators, so a new Checkpointer of
+    the same job in the same process restores the previous step; a second close is a no-op."""
+    model, opt = model_and_optimizer(seed=RANK)
+    state = {"model": model, "optim": opt}
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(levels="local:1", async_=True))
+        assert ckpt.restore(state) == 0
+        ckpt.save(1, state)
+        ckpt.wait()
+        want = _snapshot(state)
+        train_step(model, opt)
+        gate = gated_staging(monkeypatch)
+        ckpt.save(2, state)
+        if RANK == MUTATING_RANK:
+            with torch.no_grad():
+                model[0].weight.mul_(0)
+        gate.set()
+        error = catch(ckpt.close)
+        same_on_all_ranks(error_summary(error), "close outcome")
+        assert isinstance(error, CheckpointError) and error.step == 2, error_summary(error)
+        ckpt.close()                                    # closed: nothing more, no raise
+
+    fresh, fresh_opt = model_and_optimizer(seed=100 + RANK)
+    loaded = {"model": fresh, "optim": fresh_opt}
+    with topology() as topo:
+        again = Checkpointer(topo, Config.load(levels="local:1", async_=True))
+        assert again.restore(loaded) == 1
+        assert not diff(want, _snapshot(loaded))
+        again.close()

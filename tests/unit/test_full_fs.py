@@ -118,6 +118,38 @@ def test_completion_marker_on_a_full_fs_is_the_renamed_placeholder(
     assert "renaming its placeholder" in caplog.text
 
 
+def test_completion_marker_on_a_full_fs_holds_the_record_in_the_placeholders_blanks(
+        small: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The PFS filled up during the attempt: the record (where the newest steps are) is
+    written over the placeholder's blanks, so ``ftkit run`` can still say it; rewriting it
+    (in-job's release mark) works in place too."""
+    done = small / "job" / ".done-attempt-0"
+    marker.prepare(done)
+    assert marker.pending_path(done).stat().st_size == marker.PLACEHOLDER_BYTES
+    fill(small)
+    record = {"job": "j", "last_committed": 8, "unflushed": {"step": 8, "why": "ENOSPC",
+                                                             "last_flushed": None}}
+    with caplog.at_level(logging.WARNING, logger="ftkit.launch.marker"):
+        marker.write_done(done, record)
+    assert "the record written over its blanks" in caplog.text
+    assert marker.read_marker(done) == record and not marker.pending_path(done).exists()
+    marker.write_done(done, {"in_job": {"released": True}})
+    assert marker.read_marker(done) == {"in_job": {"released": True}}
+
+
+def test_a_pfs_full_before_the_attempt_gets_an_empty_placeholder(
+        small: Path, caplog: pytest.LogCaptureFixture) -> None:
+    done = small / "job" / ".done-attempt-0"
+    done.parent.mkdir()
+    fill(small)
+    with caplog.at_level(logging.WARNING, logger="ftkit.launch.marker"):
+        marker.prepare(done)
+    assert marker.pending_path(done).stat().st_size == 0
+    assert "no room for the completion record's placeholder" in caplog.text
+    marker.write_done(done, {"job": "j"})
+    assert done.is_file() and marker.read_marker(done) == {}
+
+
 def test_completion_marker_without_placeholder_is_an_error_not_a_crash(
         small: Path, caplog: pytest.LogCaptureFixture) -> None:
     done = small / "job" / ".done-attempt-0"

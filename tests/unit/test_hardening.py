@@ -252,6 +252,34 @@ def test_watch_wall_clock_and_off(tmp_path: Path) -> None:
     assert not off.expired(1e9) and off.why is None
 
 
+def test_watch_startup_ends_at_the_first_event(tmp_path: Path) -> None:
+    """``--in-job``'s start-up deadline: only until the job's first event (every process
+    passed MPI_Init); after it, only the stall watchdog (here: none) counts."""
+    events = tmp_path / "events.jsonl"
+    append_event(events, "launch", n=4)                 # ftkit run's own, before the start
+    silent = relaunch.AttemptWatch(start=0.0, timeout=0.0, stall=0.0, events=events,
+                                   startup=30.0)
+    assert not silent.expired(29.9)
+    assert silent.expired(30.0) and silent.why == "startup"
+    started = relaunch.AttemptWatch(start=0.0, timeout=0.0, stall=0.0, events=events,
+                                    startup=30.0)
+    assert not started.expired(10.0)
+    append_event(events, "in-job-start", processes=4)
+    assert not started.expired(20.0) and started.started
+    assert not started.expired(1e6) and started.why is None
+    res = outcome.judge(0, None, False, 30.4, 0.0, startup=30.0)
+    assert res.status == 124 and not res.ok
+    assert res.reason == ("the job did not start within 30 s (no event: a process died or "
+                          "hung during start-up, before MPI could report it)")
+
+
+def test_the_startup_deadline_is_on_by_default_with_in_job_only() -> None:
+    args = build_parser().parse_args(["run", "-n", "2", "--in-job", "--", "x"])
+    assert args.startup_timeout == relaunch.DEFAULT_STARTUP_TIMEOUT <= 300
+    with pytest.raises(LaunchError, match="--startup-timeout"):
+        RunSpec(n=1, cmd=("x",), startup_timeout=-1)
+
+
 def test_stall_reason_in_the_attempt_line() -> None:
     res = outcome.judge(0, None, False, 2.4, 0.0, stalled=2.0)
     assert (res.status, res.reason) == (124, "no progress for 2 s (no checkpoint event)")

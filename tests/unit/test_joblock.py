@@ -75,6 +75,21 @@ def test_second_holder_refused_naming_the_holder(tmp_path: Path, holders: list[H
     assert held_by(path)["launch"] == "L1"
 
 
+def test_a_lock_this_process_holds_is_not_named_as_another_run(tmp_path: Path) -> None:
+    path = tmp_path / "LOCK"
+    first = JobLock(path, "j")
+    first.acquire(holder_record("node leader of node 0", env={}), what="node 0's directory")
+    try:
+        with pytest.raises(JobLockedError) as err:
+            JobLock(path, "j").acquire(holder_record("node leader of node 0", env={}),
+                                       what="node 0's directory")
+    finally:
+        first.release()
+    msg = str(err.value)
+    assert "held by this very process" in msg and f"pid {os.getpid()}" in msg
+    assert "not closed" in msg and "already running" not in msg
+
+
 def test_dead_holder_never_blocks(tmp_path: Path, holders: list[Holder]) -> None:
     path = tmp_path / "LOCK"
     holder = Holder(path, _rec(launch="L1"))

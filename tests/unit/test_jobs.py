@@ -15,9 +15,9 @@ from ftkit.launch.jobs import (
     NEWEST,
     TIDY_ENV,
     choose_job,
+    end_line,
     jobs_in,
     new_job_id,
-    tidy_line,
     tidy_requested,
 )
 
@@ -80,15 +80,29 @@ def test_resume_finds_the_job_or_says_which_exist(tmp_path: Path) -> None:
         choose_job(Config(pfs_dir=str(tmp_path / "empty")), NEWEST)
 
 
-def test_tidy_line_says_what_the_ranks_did_with_the_node_local_copies() -> None:
+def test_end_line_says_what_the_ranks_did_with_the_node_local_copies() -> None:
     cfg = Config(local_dir="/dev/shm/x", job="j")
-    removed = tidy_line(cfg, {"last_committed": 6, "local_removed": True})
+    removed = end_line(cfg, {"last_committed": 6, "local_removed": True}, tidy=True)
     assert removed.startswith("removed the node-local copies of job j on every node (step 6 ")
-    kept = tidy_line(cfg, {"last_committed": 7, "local_removed": False})
+    kept = end_line(cfg, {"last_committed": 7, "local_removed": False}, tidy=True)
     assert "kept under /dev/shm/x: step 7 is not on the PFS" in kept
     assert "ftkit run --resume j" in kept and "ftkit clean j" in kept
-    assert tidy_line(cfg, {"last_committed": None}) == ""          # nothing committed
-    assert tidy_line(cfg, {}) == ""
+    assert end_line(cfg, {"last_committed": 7, "local_removed": False}, tidy=False) == ""
+    assert end_line(cfg, {"last_committed": None}, tidy=True) == ""   # nothing committed
+
+
+def test_end_line_says_which_step_is_only_node_local_when_the_pfs_failed() -> None:
+    cfg = Config(local_dir="/dev/shm/x", pfs_dir="/pfs", job="j")
+    record = {"last_committed": 8, "local_removed": False,
+              "unflushed": {"step": 8, "why": "No space left on device", "last_flushed": 4}}
+    for tidy in (True, False):                  # said with --keep-local too
+        line = end_line(cfg, record, tidy=tidy)
+        assert line.startswith("step 8 of job j is only in the node-local copies under "
+                               "/dev/shm/x (the PFS flush of step 8 failed: No space left on "
+                               "device; step 4 is the newest on the PFS)"), line
+        assert "ftkit run --resume j" in line
+    empty = end_line(cfg, {}, tidy=False)       # a marker without details
+    assert "completion record is empty" in empty and "/dev/shm/x" in empty
 
 
 def test_tidy_is_asked_for_by_ftkit_run_only() -> None:
@@ -158,3 +172,16 @@ def test_status_lists_jobs_and_tells_one_in_detail(tmp_path: Path,
     assert [s["step"] for s in doc["pfs"]] == [3, 6] and len(doc["events"]) == 5
     assert main(["status", "nope"]) == 1
     assert "no job nope" in capsys.readouterr().out
+    leader = JobLock(local / "j" / "node-1" / LOCK_FILE, "j")    # ranks of a killed run
+    leader.acquire(holder_record("node leader of node 1"), what="test")
+    try:
+        assert main(["status", "j"]) == 0
+        out = capsys.readouterr().out
+        assert main(["status"]) == 0
+        listed = capsys.readouterr().out
+    finally:
+        leader.release()
+    assert out.startswith("job j: no ftkit run holds it, but its ranks still run on this host "
+                          "(node leader of node 1 pid "), out
+    assert f"holds {local / 'j' / 'node-1' / LOCK_FILE})" in out.splitlines()[0]
+    assert listed.startswith("j: ranks still running;"), listed

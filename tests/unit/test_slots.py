@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +17,14 @@ import torch
 from ftkit import passes
 from ftkit.capture.flatten import flatten
 from ftkit.capture.staging import Stager
+from ftkit.errors import CorruptCheckpointError
 from ftkit.storage import slots
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, write_shard
 from ftkit.testing.faults import Faults
 
 WORLD = 2
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _level(root: Path, rank: int = 0) -> LocalLevel:
@@ -78,6 +82,34 @@ def test_a_superseded_steps_slot_is_reused_in_place(root: Path) -> None:
     for step in (2, 3):
         _check(level, step)
     level.close()
+
+
+def _reuse_a_truncated_slot(root: Path) -> None:
+    """Step 1's shard (a slot) truncated behind the level's back, then superseded: the save
+    that reuses its slot must not write through the old mapping past the file's end."""
+    level = _level(root)
+    for step in (1, 2):
+        _write(level, step, n=1 << 16)
+        _commit(level, step)
+    os.truncate(level.shard_path(1), 4096)
+    with pytest.raises(CorruptCheckpointError, match="rank-0.ftk"):
+        level.check_shard(1, WORLD)                         # detected as damaged
+    level.retain({2})                                       # the damaged slot is free again
+    _write(level, 3, n=1 << 16)
+    _commit(level, 3)
+    for step in (2, 3):
+        _check(level, step)
+    level.close()
+
+
+def test_a_truncated_slot_is_mapped_anew_not_written_past_its_end(root: Path) -> None:
+    # in a process of its own: a SIGBUS must fail this test, not kill pytest
+    code = ("import sys; from pathlib import Path; from tests.unit.test_slots import "
+            "_reuse_a_truncated_slot as run; run(Path(sys.argv[1]))")
+    child = subprocess.run([sys.executable, "-c", code, str(root)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120, check=False)
+    died = f"the save into the truncated slot died: {child.returncode}"
+    assert child.returncode == 0, (died, child.stderr[-3000:])
 
 
 def test_a_slot_named_by_a_step_is_never_written(root: Path) -> None:
