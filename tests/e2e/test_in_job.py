@@ -13,6 +13,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 
 from ftkit.events import read_events
 from ftkit.testing.procs import rank_processes
-from tests.e2e.jobs import Result, run_toy
+from tests.e2e.jobs import FTKIT, TOY, Result, job_env, run_toy
 
 N, SPARES, STEPS = 4, 2, 40
 LEVELS = "local:1,partner:1"
@@ -220,4 +222,33 @@ def test_a_process_hanging_in_the_recovery_falls_back(
     # where each was stuck: the shrink (waiting for the hung spare), or the hang fault
     assert any(f" in {fn}\n" in stacks for fn in ("rebuild", "_trigger")), res.tail()
     assert not [e for e in res.events() if e["event"] == "in-job"], res.events()
+    _check_bitexact(res, reference)
+
+
+def test_a_process_lost_during_start_up_is_relaunched(tmp_path: Path,
+                                                      reference: Result) -> None:
+    """World rank 3 dies before MPI_Init in attempt 0 (a node lost at job start): ULFM does
+    not cover initialisation, so the other processes would wait in MPI_Init until
+    ``--stall-timeout`` (an hour). The start-up deadline (no ``in-job-start`` event: not every
+    process passed MPI_Init) ends the attempt with a line that says so; the relaunch ends
+    bit-exact."""
+    script = (f'if [ "$OMPI_COMM_WORLD_RANK" = 3 ] && [ "$FTKIT_ATTEMPT" = 0 ]; then '
+              f'kill -9 $$; fi; exec {sys.executable} -m mpi4py {TOY} --steps {STEPS} --seed 1')
+    cmd = [*FTKIT, "run", "-n", str(N), "--ranks-per-node", "2", *IN_JOB, "--max-restarts",
+           "1", "--restart-delay", "0", "--startup-timeout", "45", "--attempt-timeout", "240",
+           "--keep-local", "--", "sh", "-c", script]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=500, env=job_env(tmp_path, FTKIT_LEVELS=LEVELS))
+    res = Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0,
+                 tmp_path / "pfs", tmp_path / "local" / "e2e")
+    assert res.rc == 0, res.tail()
+    lines = res.attempt_lines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("ftkit run: attempt 0: failed (the job did not start within "
+                               "45 s (no event: a process died or hung during start-up"), lines
+    assert "succeeded" in lines[1], lines
+    started = [e for e in res.events() if e["event"] == "in-job-start"]
+    assert [(e["attempt"], e["processes"], e["working"]) for e in started] == \
+        [(1, N + SPARES, N)], started
     _check_bitexact(res, reference)
