@@ -238,7 +238,14 @@ def _warm() -> None:
 
 def _teardown() -> None:
     """Local: abandon this generation's Checkpointers, destroy torch's process groups (the
-    watcher already shut their connections down: :mod:`ftkit.injob.sockets`)."""
+    watcher already shut their connections down: :mod:`ftkit.injob.sockets`).
+
+    torch names a default group by a process-wide counter, taken *before* its rendezvous;
+    ``destroy_process_group`` resets it, but only when a default group exists. A generation
+    whose ``init_process_group`` failed midway (a peer died while the groups were built)
+    leaves the counter ahead on this process and not on a fresh spare: the next
+    generation's ranks would then wait for each other's keys under different names, for
+    ever. So the counter is reset here in every case."""
     for error in flag.abandon_all():
         log.warning("in-job: abandoning a checkpointer: %s", error)
     with contextlib.suppress(ImportError):
@@ -246,6 +253,11 @@ def _teardown() -> None:
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        if dist.is_available():
+            from torch.distributed import distributed_c10d as c10d
+            world = getattr(c10d, "_world", None)
+            if world is not None and hasattr(world, "group_count"):
+                world.group_count = 0
 
 
 def _finish(gen: Any, watch: Any) -> None:

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -251,4 +253,66 @@ def test_a_process_lost_during_start_up_is_relaunched(tmp_path: Path,
     started = [e for e in res.events() if e["event"] == "in-job-start"]
     assert [(e["attempt"], e["processes"], e["working"]) for e in started] == \
         [(1, N + SPARES, N)], started
+    _check_bitexact(res, reference)
+
+
+class AtStartKiller(threading.Thread):
+    """Kill world rank ``first`` once step ``step`` is committed, then world rank ``second``
+    the moment the recovery's ``in-job`` event appears (the new generation is building its
+    torch.distributed groups)."""
+
+    def __init__(self, tmp: Path, step: int, first: int, second: int) -> None:
+        super().__init__(daemon=True)
+        self.tmp, self.step, self.first, self.second = tmp, step, first, second
+        self.killed: list[int] = []
+        self.error: str | None = None
+
+    def _wait_for(self, found: Callable[[list[dict[str, Any]]], bool]) -> None:
+        events = self.tmp / "pfs" / "e2e" / "events.jsonl"
+        deadline = time.monotonic() + 300
+        while not found(list(read_events(events))):
+            assert time.monotonic() < deadline, "the event never came"
+            time.sleep(0.005)
+
+    def run(self) -> None:
+        try:
+            self._wait_for(lambda got: any(e["event"] == "commit" and e["step"] >= self.step
+                                           for e in got))
+            for rank, wait in ((self.first, False), (self.second, True)):
+                if wait:
+                    self._wait_for(lambda got: any(e["event"] == "in-job" for e in got))
+                [pid] = rank_processes(self.tmp, [rank]).values()
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(rank)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = repr(exc)
+
+
+@pytest.mark.parametrize(("first", "second"), [(2, 0), (1, 3), (0, 2)])
+def test_a_second_death_as_a_generation_starts_is_recovered_in_job(
+        tmp_path: Path, reference: Result, first: int, second: int) -> None:
+    """A working rank killed at a random step; a second one killed right at the first
+    recovery's ``in-job`` event, while the new generation builds torch.distributed (the
+    rendezvous store on its rank 0, then the gloo group's exchange of addresses): every
+    survivor's wait there ends at once — the store's socket is shut down, and a client
+    connecting to a dead rank 0's store is left behind on a helper thread — torch's group
+    counter is reset for the next generation, the second recovery happens in the job within
+    5 s of its detection, and training ends bit-exact without a relaunch. The second victim
+    is the new generation's rank 0 (the store) in the first case, another rank in the
+    second; the first victim is rank 0 in the third."""
+    step = random.Random().randrange(5, 25)
+    print(f"kill world rank {first} after step {step}, then {second} at the in-job event")
+    killer = AtStartKiller(tmp_path, step, first, second)
+    killer.start()
+    res = run_toy(tmp_path, n=N, steps=STEPS, max_restarts=1, run_args=IN_JOB,
+                  FTKIT_LEVELS=LEVELS)
+    killer.join(5)
+    assert killer.error is None and killer.killed == [first, second], killer.error
+    assert res.rc == 0, res.tail()
+    lines = res.attempt_lines()
+    assert len(lines) == 1 and "succeeded" in lines[0], lines
+    recoveries = [e for e in res.events() if e["event"] == "in-job"]
+    assert [e["failed"] for e in recoveries] == [[first], [second]], recoveries
+    took = recoveries[1]["recovered"] - recoveries[1]["detected"]
+    assert took <= 5.0, (took, recoveries)
     _check_bitexact(res, reference)

@@ -171,6 +171,34 @@ def test_shut_down_wakes_a_reader_blocked_on_a_recorded_connection() -> None:
         s.close()
 
 
+def test_teardown_resets_torchs_group_counter_after_a_failed_init() -> None:
+    """A generation whose init_process_group failed midway left torch's default-group
+    counter ahead (no default group, so destroy_process_group is not called): the
+    teardown resets it, or the next generation's ranks would name their groups apart."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from ftkit.injob.resilient import _teardown
+    assert not c10d.is_initialized()
+    c10d._world.group_count = 1                     # as a failed init_process_group leaves
+    _teardown()
+    assert c10d._world.group_count == 0
+
+
+def test_the_store_of_a_dead_rank_0_does_not_hold_an_in_job_rank(clean_flag: None) -> None:
+    """Under in-job recovery, making the rendezvous store (a client retrying to connect
+    to rank 0's server) runs on a helper thread: once a peer's failure is known the caller
+    raises PeerLost at once, not at the store's timeout."""
+    from ftkit.torchdist import _interruptible
+    release = threading.Event()
+    flag.activate()
+    threading.Timer(0.2, lambda: flag.trip("rank 0 died")).start()
+    t0 = time.monotonic()
+    with pytest.raises(flag.PeerLost, match="the rendezvous store"):
+        _interruptible(lambda: release.wait(60), 60.0, "the rendezvous store")
+    assert time.monotonic() - t0 < 5
+    release.set()
+
+
 def test_rank_processes_finds_a_job_by_directory_and_rank(tmp_path: Path) -> None:
     """The helper tests and benchmarks kill ranks with: processes of this directory whose
     ``OMPI_COMM_WORLD_RANK`` is asked for, nothing else."""
