@@ -25,3 +25,13 @@ def rank_processes(cwd: Path, world_ranks: list[int]) -> dict[int, int]:
                 if rank in world_ranks:
                     out[rank] = int(entry)
     return out
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie nobody reaped yet counts as ended).
+    Local, read-only."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True

@@ -45,6 +45,7 @@ from ftkit.launch.outcome import (
     restart_delay,
 )
 from ftkit.launch.relaunch import RunSpec, done_file_path, resolve_launcher, run_job
+from ftkit.testing.procs import process_gone
 
 FAKE = Path(__file__).parent / "fakes" / "fake_mpiexec.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -466,14 +467,6 @@ def test_timeout_escalates_to_sigkill(job: Path, fake: str, tmp_path: Path,
     assert not any("signal" in r for r in fake_log(tmp_path))   # it ignored SIGTERM
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.timeout(60)
 def test_processes_left_behind_are_killed(job: Path, fake: str, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -481,9 +474,9 @@ def test_processes_left_behind_are_killed(job: Path, fake: str, tmp_path: Path,
     assert rc == 1
     pid = next(r["straggler"] for r in fake_log(tmp_path) if "straggler" in r)
     deadline = time.monotonic() + 10
-    while not _gone(pid) and time.monotonic() < deadline:   # SIGKILL delivery is asynchronous
+    while not process_gone(pid) and time.monotonic() < deadline:   # SIGKILL delivery is asynchronous
         time.sleep(0.01)
-    assert _gone(pid)
+    assert process_gone(pid)
 
 
 @pytest.mark.timeout(60)

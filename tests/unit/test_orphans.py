@@ -16,6 +16,7 @@ import pytest
 from ftkit.errors import JobLockedError
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch.orphans import die_with, held_locks, wait_for_orphans
+from ftkit.testing.procs import process_gone
 
 MIDDLE = """
 import subprocess, sys, os
@@ -27,15 +28,6 @@ sys.stdin.read()
 """
 
 
-def _gone(pid: int) -> bool:
-    """The process ended (a zombie nobody reaped counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def test_the_launcher_dies_with_ftkit_run() -> None:
     assert die_with(os.getpid()) is not None, "no parent-death signal on this platform"
     middle = subprocess.Popen([sys.executable, "-c", MIDDLE], stdin=subprocess.PIPE,
@@ -43,15 +35,15 @@ def test_the_launcher_dies_with_ftkit_run() -> None:
     assert middle.stdout is not None
     child = int(middle.stdout.readline())
     try:
-        assert not _gone(child)
+        assert not process_gone(child)
         middle.send_signal(signal.SIGKILL)             # ftkit run killed, its launcher not
         middle.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while not _gone(child):
+        while not process_gone(child):
             assert time.monotonic() < deadline, "the launcher outlived its ftkit run"
             time.sleep(0.05)
     finally:
-        if not _gone(child):
+        if not process_gone(child):
             os.kill(child, signal.SIGKILL)
 
 
