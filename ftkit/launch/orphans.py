@@ -22,13 +22,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ftkit.config import Config
 from ftkit.errors import JobLockedError
-from ftkit.joblock import LOCK_FILE, describe, held_by
+from ftkit.joblock import LOCK_FILE, describe, held_by, predecessor
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +80,32 @@ def node_locks(job_local: Path) -> list[Path]:
         return []
 
 
-def held_locks(job_local: Path) -> dict[Path, dict[str, Any]]:
-    """``{lock file: holder}`` of the job's node-local locks held now (this host's view)."""
+def held_locks(job_local: Path, me: Mapping[str, Any] | None = None
+               ) -> dict[Path, dict[str, Any]]:
+    """``{lock file: holder}`` of the job's node-local locks held now (this host's view),
+    but those a node leader of ``me`` (a :func:`~ftkit.joblock.holder_record`) may take over
+    (a Slurm job's requeued instance: :func:`~ftkit.joblock.predecessor`)."""
     held = {}
     for path in node_locks(job_local):
         holder = held_by(path)
-        if holder is not None:
+        if holder is not None and (me is None or predecessor(holder, me) is None):
             held[path] = holder
     return held
 
 
-def wait_for_orphans(job: str, job_local: Path, grace: float = ORPHAN_GRACE) -> None:
-    """``ftkit run``, holding the job's PFS lock, before its first attempt: wait up to
-    ``grace`` seconds for the job's node-local locks (this host's view) to be released;
-    JobLockedError naming the holders when they are not. Local."""
+def wait_for_orphans(job: str, job_local: Path, me: Mapping[str, Any],
+                     grace: float = ORPHAN_GRACE) -> None:
+    """``ftkit run`` (described by ``me``), holding the job's PFS lock, before its first
+    attempt: wait up to ``grace`` seconds for the job's node-local locks (this host's view)
+    to be released; JobLockedError naming the holders when they are not. Local."""
     until = time.monotonic() + grace
-    held = held_locks(job_local)
+    held = held_locks(job_local, me)
     if held:
         log.warning("job %s: ranks of an earlier run still hold %s; waiting up to %g s for "
                     "them to end", job, ", ".join(str(p) for p in held), grace)
     while held and time.monotonic() < until:
         time.sleep(_POLL)
-        held = held_locks(job_local)
+        held = held_locks(job_local, me)
     if held:
         who = "; ".join(f"{describe(h)} holds {p}" for p, h in held.items())
         raise JobLockedError(

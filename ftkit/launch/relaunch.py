@@ -438,14 +438,15 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
     if spec.tidy:
         base_env[TIDY_ENV] = "1"
     lock = JobLock(cfg.job_pfs_dir / LOCK_FILE, cfg.job)
+    me = holder_record("ftkit run", base_env)
     try:
         cfg.job_pfs_dir.mkdir(parents=True, exist_ok=True)
-        lock.acquire(holder_record("ftkit run", base_env), what="the job's PFS directory")
+        lock.acquire(me, what="the job's PFS directory")
     except OSError as exc:          # a failing PFS: the node-local locks still guard the job
         log.warning("cannot lock %s (%s): a second instance of job %s is refused only by "
                     "the node-local locks", lock.path, exc, cfg.job)
     try:
-        wait_for_orphans(cfg.job, this_host_job_dir(cfg))
+        wait_for_orphans(cfg.job, this_host_job_dir(cfg), me)
         return _run_attempts(spec, cfg, launcher, base_env, out)
     finally:
         lock.release()

@@ -47,6 +47,9 @@ def test_the_launcher_dies_with_ftkit_run() -> None:
             os.kill(child, signal.SIGKILL)
 
 
+ME = holder_record("ftkit run", env={})
+
+
 def _leader(job_local: Path, node: int) -> JobLock:
     lock = JobLock(job_local / f"node-{node}" / LOCK_FILE, "j")
     lock.path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,12 +59,12 @@ def _leader(job_local: Path, node: int) -> JobLock:
 
 def test_a_node_lock_still_held_is_waited_for_then_refused(tmp_path: Path) -> None:
     job_local = tmp_path / "local" / "j"
-    wait_for_orphans("j", job_local, grace=0.1)        # nothing there: at once
+    wait_for_orphans("j", job_local, ME, grace=0.1)        # nothing there: at once
     lock = _leader(job_local, 1)
     try:
         assert list(held_locks(job_local)) == [job_local / "node-1" / LOCK_FILE]
         with pytest.raises(JobLockedError) as err:
-            wait_for_orphans("j", job_local, grace=0.3)
+            wait_for_orphans("j", job_local, ME, grace=0.3)
     finally:
         lock.release()
     msg = str(err.value)
@@ -70,13 +73,35 @@ def test_a_node_lock_still_held_is_waited_for_then_refused(tmp_path: Path) -> No
     assert held_locks(job_local) == {}
 
 
+def test_a_requeued_slurm_jobs_node_lock_is_left_to_its_takeover(tmp_path: Path) -> None:
+    """A node leader of the previous instance of a requeued Slurm job may still hold its
+    lock: the new instance's node leaders take it over (ftkit.joblock), so ftkit run does
+    not wait for it."""
+    job_local = tmp_path / "local" / "j"
+    lock = JobLock(job_local / "node-0" / LOCK_FILE, "j")
+    lock.path.parent.mkdir(parents=True)
+    lock.acquire(holder_record("node leader of node 0",
+                               env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}),
+                 what="test")
+    try:
+        requeued = holder_record("ftkit run", env={"SLURM_JOB_ID": "7",
+                                                   "SLURM_RESTART_COUNT": "1"})
+        t0 = time.monotonic()
+        wait_for_orphans("j", job_local, requeued, grace=30)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(JobLockedError):
+            wait_for_orphans("j", job_local, ME, grace=0.1)
+    finally:
+        lock.release()
+
+
 def test_a_node_lock_released_during_the_wait_lets_the_run_go_on(tmp_path: Path) -> None:
     job_local = tmp_path / "local" / "j"
     lock = _leader(job_local, 0)
     timer = threading.Timer(0.3, lock.release)        # the orphan ends meanwhile
     timer.start()
     try:
-        wait_for_orphans("j", job_local, grace=30)
+        wait_for_orphans("j", job_local, ME, grace=30)
     finally:
         timer.cancel()
         lock.release()
