@@ -20,7 +20,10 @@ A lock still held by a *predecessor* of the contender is taken over by replacing
 new inode; the old holder keeps a lock on an unlinked file): a Slurm job requeued under the
 same job id (Slurm runs one instance of a job id at a time; on a network file system the
 dead node's lock may outlive it), or an earlier attempt of the same ``ftkit run``, which killed
-it (given :data:`TAKEOVER_GRACE` seconds to finish dying first). A file system without
+it (given :data:`TAKEOVER_GRACE` seconds to finish dying first). So is a lock whose holder
+process on this host has ended while processes it forked live on (a killed rank's data
+loader workers hold the open file, and with it the ``flock``, for seconds): the holder's
+pid is not alive (a pid reused since is taken as alive: refused, never two writers). A file system without
 locking support (``ENOLCK``, ``EOPNOTSUPP``, ``ENOSYS``) gets a warning, not a refusal.
 """
 from __future__ import annotations
@@ -81,6 +84,37 @@ def predecessor(holder: Mapping[str, Any], me: Mapping[str, Any]) -> tuple[str, 
     return None
 
 
+def may_take_over(holder: Mapping[str, Any], me: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(kind, why)`` when ``me`` may take the lock ``holder`` holds: a predecessor
+    (:func:`predecessor`), or kind ``dead`` — a holder process on this host that has ended
+    while processes it forked (a data loader's workers) keep the lock alive: a ``flock``
+    belongs to the open file, which a fork shares. Local (looks at the process table)."""
+    found = predecessor(holder, me)
+    if found is not None:
+        return found
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int) \
+            and pid != os.getpid() and not _alive(pid):
+        return "dead", (f"its holder, pid {pid} on this host, has ended; processes it "
+                        f"forked still held the file open")
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (local)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _num(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -122,7 +156,7 @@ class JobLock:
                 continue
             holder = _read(fd)
             os.close(fd)
-            found = predecessor(holder or {}, record)
+            found = may_take_over(holder or {}, record)
             if found is None:
                 raise JobLockedError(self._refusal(holder, what))
             kind, why = found

@@ -28,7 +28,7 @@ from typing import Any
 
 from ftkit.config import Config
 from ftkit.errors import JobLockedError
-from ftkit.joblock import LOCK_FILE, describe, held_by, predecessor
+from ftkit.joblock import LOCK_FILE, describe, held_by, may_take_over
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,12 @@ def held_locks(job_local: Path, me: Mapping[str, Any] | None = None
                ) -> dict[Path, dict[str, Any]]:
     """``{lock file: holder}`` of the job's node-local locks held now (this host's view),
     but those a node leader of ``me`` (a :func:`~ftkit.joblock.holder_record`) may take over
-    (a Slurm job's requeued instance: :func:`~ftkit.joblock.predecessor`)."""
+    (:func:`~ftkit.joblock.may_take_over`: a requeued Slurm job's predecessor, a holder
+    that has ended)."""
     held = {}
     for path in node_locks(job_local):
         holder = held_by(path)
-        if holder is not None and (me is None or predecessor(holder, me) is None):
+        if holder is not None and (me is None or may_take_over(holder, me) is None):
             held[path] = holder
     return held
 

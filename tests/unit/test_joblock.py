@@ -103,6 +103,42 @@ def test_dead_holder_never_blocks(tmp_path: Path, holders: list[Holder]) -> None
     assert not lock.held and path.exists()
 
 
+FORKING = """
+import json, os, sys, time
+from pathlib import Path
+from ftkit.joblock import JobLock, holder_record
+lock = JobLock(Path(sys.argv[1]), "j")
+lock.acquire(holder_record("node leader of node 1", env={}), what="test")
+if os.fork() == 0:               # a data loader worker: shares the open file, and the flock
+    time.sleep(120)
+    os._exit(0)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_dead_holders_lock_kept_by_its_forked_children_is_taken_over(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A killed node leader's forked loader workers keep the open file, and with it the
+    flock, for seconds: its successor on this host takes the lock over at once (the holder
+    pid is dead) instead of refusing as if the job ran twice."""
+    path = tmp_path / "LOCK"
+    proc = subprocess.Popen([sys.executable, "-c", FORKING, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert held_by(path) is not None                  # the child keeps it
+        lock = JobLock(path, "j")
+        lock.acquire(_rec("node leader of node 1", launch="L2"), what="node 1's directory")
+        assert lock.held and "took over" in caplog.text and "has ended" in caplog.text
+        assert json.loads(path.read_text())["launch"] == "L2"
+        lock.release()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_requeued_slurm_job_takes_over_at_once(tmp_path: Path, holders: list[Holder],
                                                caplog: pytest.LogCaptureFixture) -> None:
     """A lock of the same Slurm job at an earlier restart count (on a network file system a
