@@ -57,6 +57,12 @@ _OMPI_EXIT = re.compile(r"exited with non-zero status, .*? Process name: (\S+) E
 _OMPI_CALLED_ABORT = re.compile(r"has exited due to process rank (\d+) with PID \d+ on node "
                                 r"(\S+) calling \"?abort")
 _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
+#: a Python error printed by a rank that the same script hits again at every launch: the
+#: script or a module it imports cannot be loaded (a typo, a missing package, a directory
+#: named like a package beside the script shadowing it)
+_STARTUP_ERROR = re.compile(r"^((?:ModuleNotFoundError|ImportError|SyntaxError|IndentationError)"
+                            r": .+|AttributeError: (?:partially initialized )?module '[^']+' "
+                            r"has no attribute .+)$")
 _OMPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon\. .*?Remote daemon: "
                                r"\S+ on node (\S+)")
 
@@ -107,10 +113,13 @@ class LauncherScan:
     def __init__(self) -> None:
         self.found: dict[int, str] = {}
         self.lost_nodes: list[str] = []      # nodes whose MPI runtime daemon was lost
+        self.load_error: str | None = None   # the first "ImportError: ..." a rank printed
         self._lines: collections.deque[str] = collections.deque(maxlen=WINDOW)
 
     def feed(self, line: str) -> None:
         """Take one more line of launcher output (local call)."""
+        if self.load_error is None and (m := _STARTUP_ERROR.match(line.strip())):
+            self.load_error = m.group(1)[:SHORT * 2]
         self._lines.append(" ".join(line.split()))
         if line.startswith("srun: error:"):
             hits = scan(self._lines[-1])          # one line each; never joined with the next
@@ -179,6 +188,21 @@ class StderrTee(threading.Thread):
         """The ranks found so far, after up to ``wait`` seconds for the pipe to end."""
         self.join(wait)
         return dict(self.scan.found)
+
+
+def load_failure(error: str | None, progressed: bool, failed: Mapping[int, str]
+                 ) -> dict[str, Any] | None:
+    """A fatal record (:mod:`ftkit.launch.fatal`'s shape) for a failed attempt in which a rank
+    printed ``error`` (:attr:`LauncherScan.load_error`) before the job wrote any event
+    (``progressed`` False): the script cannot even be loaded, and a relaunch would fail the
+    same way. The rank is the first of ``failed`` (the launcher names who aborted). None
+    otherwise (pure)."""
+    if error is None or progressed:
+        return None
+    kind, _, message = error.partition(": ")
+    return {"rank": next(iter(failed), "?"), "kind": kind, "recurs": True,
+            "message": f"{message} (before the job started: the script or a module it "
+                       f"imports cannot be loaded)"}
 
 
 def lost_daemons_reason(nodes: Sequence[str]) -> str:

@@ -54,7 +54,13 @@ from ftkit.errors import LaunchError
 from ftkit.events import append_event, restored_step
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
-from ftkit.launch.failures import StderrTee, explain, lost_daemons_reason, signame
+from ftkit.launch.failures import (
+    StderrTee,
+    explain,
+    load_failure,
+    lost_daemons_reason,
+    signame,
+)
 from ftkit.launch.fatal import FATAL_DIR_ENV, first_recurring, read_records
 from ftkit.launch.jobs import TIDY_ENV, end_line
 from ftkit.launch.mpiexec import MpiexecLauncher
@@ -300,7 +306,7 @@ class AttemptWatch:
             else math.inf
         self.started = False                   # the event log changed since the start
         self.why: str | None = None            # "timeout", "startup" or "stall" once expired
-        self._mark = self._stat()
+        self._mark = self._first = self._stat()
         self._progress_at = start
 
     def _stat(self) -> tuple[int, int, int] | None:
@@ -309,6 +315,10 @@ class AttemptWatch:
         except OSError:
             return None
         return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def progressed(self) -> bool:
+        """Whether the event log changed since the start (the job wrote an event)."""
+        return self.events is not None and self._stat() != self._first
 
     def expired(self, now: float) -> bool:
         """Whether the attempt must end at ``now`` (:attr:`why` then says which limit)."""
@@ -390,6 +400,7 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
         fatal = first_recurring(records)
         shutil.rmtree(fatal_dir, ignore_errors=True)
     failed = explain(tee.found(wait=_TEE_WAIT_S), records)
+    fatal = fatal or load_failure(tee.scan.load_error, watch.progressed(), failed)
     if watch.why == "stall":
         log.warning("attempt %d: %s did not change for %g s: the job is taken as hung",
                     attempt, events, spec.stall_timeout)

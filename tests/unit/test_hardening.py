@@ -354,3 +354,52 @@ def test_stalled_attempt_is_relaunched_and_progress_keeps_one_alive(job: Path) -
     assert float(lines[1].split("after ")[1].split(" s")[0]) >= 3 * 1.0
     saves = [e for e in read_events(job / "events.jsonl") if e["event"] == "save"]
     assert len(saves) == 30
+
+
+_UNLOADABLE = """
+import os, sys
+from ftkit.config import Config
+from ftkit.events import append_event
+if sys.argv[1] == "after-start":
+    append_event(Config.load().events_path, "restore", step=0)
+print("Traceback (most recent call last):", file=sys.stderr)
+print('  File "train.py", line 3, in <module>', file=sys.stderr)
+print("ModuleNotFoundError: No module named 'nosuch'", file=sys.stderr, flush=True)
+sys.exit(1)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class _UnloadableLauncher:
+    """Each attempt: one child that prints a rank's ImportError traceback and fails, before
+    or after the job's first event."""
+
+    when: str
+    name: str = "child"
+
+    def command(self, n: int, cmd: Sequence[str]) -> list[str]:
+        return [sys.executable, "-c", _UNLOADABLE, self.when]
+
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
+        return dict(base, PYTHONPATH=str(REPO))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["before-start", "after-start"])
+def test_a_script_that_cannot_be_loaded_is_not_retried(job: Path, when: str) -> None:
+    """An ImportError printed before the job wrote any event recurs at every launch: one
+    attempt, status 3, the line says what could not be loaded. After the job started (an
+    event was written) the same line is retried like any failure."""
+    spec = RunSpec(n=1, cmd=("child",), max_restarts=2, kill_grace=2.0)
+    out = io.StringIO()
+    rc = run_job(spec, Config.load(), _UnloadableLauncher(when), out=out)
+    lines = out.getvalue().splitlines()
+    if when == "before-start":
+        assert rc == 3 and len(lines) == 1, lines
+        assert lines[0].startswith("ftkit run: attempt 0: failed: not retried: "
+                                   "ModuleNotFoundError: No module named 'nosuch' (before the "
+                                   "job started: the script or a module it imports cannot be "
+                                   "loaded)"), lines
+    else:
+        assert rc == 1 and len(lines) == 3, lines
+        assert all("not retried" not in ln for ln in lines), lines
