@@ -79,7 +79,7 @@ def write_done(done: Path, record: dict[str, Any]) -> None:
         why = exc
     pending = pending_path(done)
     if not pending.exists() and done.exists():     # renamed by an earlier write_done
-        kept = _over_blanks(done, record)
+        kept = _over_blanks(done, record, empty_on_failure=False)
         log.warning("cannot rewrite the completion marker %s (%s); %s", done, why,
                     "wrote the record over it in place" if kept else "it stays as it was")
         return
@@ -95,9 +95,13 @@ def write_done(done: Path, record: dict[str, Any]) -> None:
                 "the record written over its blanks" if kept else "an empty marker")
 
 
-def _over_blanks(pending: Path, record: dict[str, Any]) -> bool:
+def _over_blanks(pending: Path, record: dict[str, Any], *, empty_on_failure: bool = True
+                 ) -> bool:
     """Write ``record`` over the blanks of the placeholder ``pending`` (no new block: the
-    file keeps its size, the JSON its trailing blanks); True when it is there, durably."""
+    file keeps its size, the JSON its trailing blanks); True when it is there, durably.
+    When it does not fit or the write fails, the file is emptied (a half record must not be
+    read as one) — unless ``empty_on_failure`` is False (a marker that already holds a
+    record is left as it is when the new one does not fit)."""
     data = json.dumps(record).encode()
     try:
         fd = os.open(pending, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -106,7 +110,8 @@ def _over_blanks(pending: Path, record: dict[str, Any]) -> bool:
     try:
         size = os.fstat(fd).st_size
         if size < len(data):
-            os.ftruncate(fd, 0)          # no room even there: an empty marker, no details
+            if empty_on_failure:
+                os.ftruncate(fd, 0)      # no room even there: an empty marker, no details
             return False
         data = data.ljust(size)          # blanks over whatever was there: one JSON value
         if os.pwrite(fd, data, 0) != len(data):

@@ -135,6 +135,8 @@ def test_completion_marker_on_a_full_fs_holds_the_record_in_the_placeholders_bla
     assert marker.read_marker(done) == record and not marker.pending_path(done).exists()
     marker.write_done(done, {"in_job": {"released": True}})
     assert marker.read_marker(done) == {"in_job": {"released": True}}
+    marker.write_done(done, {"pad": "x" * 8192})          # does not fit: left as it was
+    assert marker.read_marker(done) == {"in_job": {"released": True}}
 
 
 def test_a_pfs_full_before_the_attempt_gets_an_empty_placeholder(
