@@ -100,19 +100,26 @@ def may_take_over(holder: Mapping[str, Any], me: Mapping[str, Any]) -> tuple[str
     return None
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``Z`` for
+    a zombie nobody reaped yet, ...), or None when it cannot be read (no such process, no
+    ``/proc``). Local, read-only."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (local)."""
+    """Whether process ``pid`` exists and is not a zombie; when in doubt, alive (local)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    return process_state(pid) not in ("Z", "X")
 
 
 def _num(value: Any) -> int:

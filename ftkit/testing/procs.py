@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ftkit.joblock import process_state
+
 
 def rank_processes(cwd: Path, world_ranks: list[int]) -> dict[int, int]:
     """``{world rank: pid}`` of the processes that run in directory ``cwd`` (a job started
@@ -30,8 +32,4 @@ def rank_processes(cwd: Path, world_ranks: list[int]) -> dict[int, int]:
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` has ended (a zombie nobody reaped yet counts as ended).
     Local, read-only."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+    return process_state(pid) in (None, "Z", "X")

@@ -36,16 +36,22 @@ def _snapshot(state: dict[str, Any]) -> Any:
     return canon({"model": state["model"].state_dict(), "optim": state["optim"].state_dict()})
 
 
+def _step_one_committed(topo: Any, levels: str, state: dict[str, Any]) -> Checkpointer:
+    """An async Checkpointer that restored nothing and committed step 1 of ``state``."""
+    ckpt = Checkpointer(topo, Config.load(levels=levels, async_=True))
+    assert ckpt.restore(state) == 0
+    ckpt.save(1, state)
+    ckpt.wait()
+    assert ckpt.last_committed == 1
+    return ckpt
+
+
 @pytest.mark.parametrize("change", [True, False], ids=["in-place-change", "untouched"])
 def test_in_place_change_during_staging_aborts_the_step(ftkit_env, monkeypatch, change):
     model, opt = model_and_optimizer(seed=RANK)
     state = {"model": model, "optim": opt}
     with topology() as topo:
-        ckpt = Checkpointer(topo, Config.load(levels="local:1,partner:1", async_=True))
-        assert ckpt.restore(state) == 0
-        ckpt.save(1, state)
-        ckpt.wait()
-        assert ckpt.last_committed == 1
+        ckpt = _step_one_committed(topo, "local:1,partner:1", state)
         want = {1: _snapshot(state)}
         train_step(model, opt)
         want[2] = _snapshot(state)
@@ -91,10 +97,7 @@ def test_a_close_that_raises_gives_the_job_back(ftkit_env, monkeypatch):
     model, opt = model_and_optimizer(seed=RANK)
     state = {"model": model, "optim": opt}
     with topology() as topo:
-        ckpt = Checkpointer(topo, Config.load(levels="local:1", async_=True))
-        assert ckpt.restore(state) == 0
-        ckpt.save(1, state)
-        ckpt.wait()
+        ckpt = _step_one_committed(topo, "local:1", state)
         want = _snapshot(state)
         train_step(model, opt)
         gate = gated_staging(monkeypatch)
