@@ -27,7 +27,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ftkit import __version__
-from ftkit.capture import loaders, shards
+from ftkit.capture import attached, shards
 from ftkit.capture.flatten import TensorLeaf, flatten
 from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
@@ -48,7 +48,13 @@ from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
 from ftkit.levelnames import IMPLEMENTED_LEVELS
 from ftkit.log import setup_rank_logging
-from ftkit.protocol.twophase import ProtocolMismatch, Snapshot, TwoPhase, raise_if_failed
+from ftkit.protocol.twophase import (
+    CLOSING,
+    ProtocolMismatch,
+    Snapshot,
+    TwoPhase,
+    raise_if_failed,
+)
 from ftkit.recovery import pfs_restore
 from ftkit.recovery import restore as recovery
 from ftkit.recovery.claim import JobClaim
@@ -171,10 +177,11 @@ class Checkpointer:
             raise
 
     def _admit(self, state: State) -> None:
-        """Once, before the first step: loaders get ftkit's generators, every leaf is
-        checked (``capture/loaders.py``; UnsupportedStateError everywhere). All ranks call."""
+        """Once, before the first step: loaders get ftkit's generators, DDPs are noted, every
+        leaf is checked (``capture/attached.py``; UnsupportedStateError everywhere). All ranks
+        call."""
         if not self._admitted:
-            loaders.admit(self.dc, state)
+            attached.admit(self.dc, state)
             self._admitted = True
 
     def _restore(self, state: State) -> int:
@@ -289,8 +296,9 @@ class Checkpointer:
         return self.flushes.last_flushed
 
     def close(self, *, stopped: bool = False) -> None:
-        """Finish background work, then mark the job complete once every rank got here
-        (``stopped``: ended early on a stop request). All ranks call. When the newest PFS
+        """Finish background work, flush the newest committed step to the PFS when a PFS
+        level exists and it is not there yet, then mark the job complete once every rank got
+        here (``stopped``: ended early on a stop request). All ranks call. When the newest PFS
         flush attempted failed, rank 0 logs an ERROR (the newest committed steps are only on
         the node-local levels) but nothing is raised. Whatever the background work raised
         (the newest checkpoint's CheckpointError), the job's locks, slots and communicators
@@ -302,8 +310,10 @@ class Checkpointer:
         try:
             try:
                 self.wait()
+                self.flushes.flush_last(self.last_committed, self._result)
             finally:
                 self._stop_threads(wait=True)
+            self.proto.exchange(CLOSING, None, "close")   # a peer in a save() skipped here
             self.flushes.report_unflushed(self.last_committed)
             tidy = all(self.dc.allgather(self._may_tidy(stopped), "close"))
             done = os.environ.get("FTKIT_DONE_FILE")
@@ -418,7 +428,7 @@ class Checkpointer:
         snap = Snapshot(step, levels)
         try:
             self.faults.fire("capture", step)
-            tree, leaves = flatten(state, loaders.extra)
+            tree, leaves = flatten(state, attached.extra)
             snap.tree, snap.leaves = tree, leaves
             snap.meta = {"job": self.config.job, "run": self.run_id, "step": step,
                          "rank": self.topo.rank,
@@ -480,6 +490,7 @@ class Checkpointer:
         try:
             out = self.proto.run(snap)
         except (ProtocolTimeout, ProtocolMismatch) as exc:
+            record_fatal(exc, self.topo.rank)      # a mismatch recurs: not relaunched
             self._abort(str(exc))
             raise
         self.stop_requested |= out.stop

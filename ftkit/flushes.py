@@ -126,6 +126,18 @@ class Flushes:
         if self.pfs is not None:
             self.pfs.settle()                  # rank 0: retired steps' files are gone
 
+    def flush_last(self, step: int | None, result: Callable[[cf.Future[None], str], None]
+                   ) -> None:
+        """At ``close()``: flush committed ``step`` when it is not on the PFS (it was not due
+        there), so a finished job's final state outlives its nodes, and wait for it. Not a
+        step whose flush failed (its failure is reported). All ranks call at the same point
+        (``step`` and the flush outcomes are the same on every rank)."""
+        if self.pfs is None or step is None or step in self.failures or (
+                self.last_flushed is not None and self.last_flushed >= step):
+            return
+        self._start(step)
+        self._drain(result)
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop the flush thread (after :meth:`finish`; ``wait=False``: let a flush in
         progress end on its own, as an abandoned one does under in-job recovery). Local."""

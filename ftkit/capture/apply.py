@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ftkit import passes
-from ftkit.capture import loaders
+from ftkit.capture import attached
 from ftkit.capture.flatten import RESERVED, _is_torch_tensor, flatten
 from ftkit.errors import StateMismatchError
 
@@ -80,9 +80,9 @@ def load_into(state: MutableMapping[str, Any], restored: dict[str, Any], step: i
 def _merge(live: Any, new: Any, path: str, step: int) -> Any:
     if hasattr(live, "load_state_dict") and hasattr(live, "state_dict"):
         try:
-            if isinstance(new, dict) and RESERVED in new:     # ftkit's part (loaders.py)
+            if isinstance(new, dict) and RESERVED in new:     # ftkit's part (attached.py)
                 new = dict(new)
-                loaders.load_saved(live, new.pop(RESERVED))
+                attached.load_saved(live, new.pop(RESERVED))
             live.load_state_dict(new)
             if _is_module(live):       # a module copies every tensor into its own
                 passes.count("copy", _tensor_bytes(new))

@@ -108,6 +108,12 @@ Extra = Callable[[Any], "dict[str, Any] | None"]
 RESERVED = "__ftkit_loader__"
 
 
+def reserved(path: str) -> bool:
+    """Whether ``path`` (a leaf's place in the state tree) lies in what ftkit saved beside an
+    object's state (under :data:`RESERVED`)."""
+    return RESERVED in path.split("/")
+
+
 def flatten(state: Any, extra: Extra | None = None) -> tuple[Skeleton, list[TensorLeaf]]:
     """Flatten ``state``; returns the JSON skeleton and the tensor leaves in tree order.
     ``extra(obj)``: what ftkit saves with an object beside its ``state_dict`` (stored under

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ftkit.buffers import aligned_empty
-from ftkit.capture import loaders
+from ftkit.capture import attached
 from ftkit.capture.devicecopy import device_target, overwritable
 from ftkit.capture.flatten import (
     DecodeError,
@@ -114,7 +114,7 @@ def plan_reading(saved: list[TensorLeaf], tree: Any, state: Any) -> Reading:
     flattened as a save flattens it) and the state tree ``tree`` (a checkpoint's JSON
     skeleton) decoded over them. DecodeError when the tree does not decode or its root is
     not a dict."""
-    live = live_leaves(state, loaders.extra_layout)
+    live = live_leaves(state, attached.extra_layout)
     dests, flags, tensors = [], [], []
     for i, leaf in enumerate(saved):
         mine = live[i] if i < len(live) else None

@@ -46,7 +46,8 @@ from typing import Any
 from ftkit.capture.flatten import RESERVED
 
 log = logging.getLogger(__name__)
-__all__ = ["RESERVED", "admit", "adopt", "extra", "is_loader", "load_saved", "unsupported", "walk"]
+__all__ = ["RESERVED", "adopt", "extra", "is_loader", "load_saved", "split_by_dp", "unsupported",
+           "walk"]
 _MAX_REPLAY = 100_000          # draws searched for the current state (one per epoch)
 
 
@@ -73,20 +74,6 @@ def walk(state: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, state
 
 
-def admit(dc: Any, state: Any) -> None:
-    """Before the first step (``restore()``, or the first ``save()`` without one): give the
-    state's loaders ftkit's generators (:func:`adopt`) and check every leaf; when any rank
-    finds one ftkit cannot checkpoint, raise the same UnsupportedStateError on every rank
-    (not retried by ``ftkit run``). All ranks call (``dc``: a DistComm)."""
-    from ftkit.errors import UnsupportedStateError
-    adopt(state)
-    failures = dc.agree(unsupported(state), "prepare", -1)
-    if failures:
-        first = min(failures)
-        raise UnsupportedStateError(f"rank {first}: cannot checkpoint this state: "
-                                    f"{failures[first]}")
-
-
 def unsupported(state: Any) -> str | None:
     """Why ``state`` cannot be checkpointed as it is (one line naming the first leaf), or None.
     Local, cheap: calls ``state_dict()`` of the objects, copies nothing."""
@@ -104,6 +91,18 @@ def unsupported(state: Any) -> str | None:
             flatten({path: value})
         except UnsupportedLeaf as exc:
             return str(exc)
+    return None
+
+
+def split_by_dp(state: Any) -> str | None:
+    """Path of the first stateful loader of ``state`` whose sampler splits the data among
+    data-parallel ranks (it has ``num_replicas``, as ``DistributedSampler``): its saved
+    position counts the samples of one rank's share, which another DP size cuts otherwise.
+    None when there is none. Local."""
+    for path, value in walk(state):
+        if is_loader(value) and _stateful(value) and \
+                hasattr(getattr(value, "sampler", None), "num_replicas"):
+            return path
     return None
 
 

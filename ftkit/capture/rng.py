@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from ftkit.capture.flatten import RESERVED
+
 log = logging.getLogger(__name__)
 _RNG_KEYS = {"python", "numpy", "torch", "cuda"}    # the state_dict of RNGState
 
@@ -55,7 +57,9 @@ class RNGState:
 
 def rank_local_indices(tree: Any) -> set[int]:
     """Tensor indices of the state that legitimately differ between DP replicas: those of
-    ``ftkit.RNGState`` objects (each rank draws its own random streams)."""
+    ``ftkit.RNGState`` objects (each rank draws its own random streams) and what ftkit saves
+    beside an object's state under ``RESERVED`` (:mod:`ftkit.capture.attached`: a loader's
+    generator is seeded per rank)."""
     found: set[int] = set()
 
     def tensors(node: Any) -> None:
@@ -72,10 +76,14 @@ def rank_local_indices(tree: Any) -> set[int]:
         if isinstance(node, dict):
             inner = node.get("v")
             if node.get("t") == "obj" and isinstance(inner, dict) and inner.get("t") == "dict":
-                keys = {k for k, _ in inner.get("items", [])}
+                items = [item for item in inner.get("items", []) if isinstance(item, list)]
+                keys = {item[0] for item in items if item}
                 if {"python", "numpy"} <= keys <= _RNG_KEYS:
                     tensors(inner)
                     return
+                for item in items:
+                    if len(item) == 2 and item[0] == RESERVED:
+                        tensors(item[1])
             for v in node.values():
                 walk(v)
         elif isinstance(node, list):

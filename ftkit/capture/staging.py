@@ -52,7 +52,10 @@ log = logging.getLogger(__name__)
 class TornSnapshotError(FtkitError):
     """A tensor changed in place between ``save`` and the end of its background copy, so
     its staged bytes may mix old and new values. Local to the rank that staged it; the
-    checkpointer turns it into that rank's "no" vote (the step is aborted)."""
+    checkpointer turns it into that rank's "no" vote (the step is aborted). The program
+    changes the tensor at the same place of its loop after a relaunch: it recurs."""
+
+    recurs = True
 
     def __init__(self, path: str, step: int | None) -> None:
         self.path, self.step = path, step

@@ -50,6 +50,7 @@ from ftkit.cli.scan import (
     rank_names,
     resolve,
 )
+from ftkit.cli.userkeys import user_view
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.pfs.h5group import count_tensors
 from ftkit.storage.shard import fsync_dir
@@ -486,6 +487,7 @@ def export_step(ref: StepRef, fmt: str, scratch: Path, rep: Reporter,
             if len(items) != expected:
                 raise ExportError(f"{ref.label}: {len(items)} tensors to write, but the "
                                   f"tree(s) hold {expected}")
+            items = user_view(items)          # not ftkit's own tensors, no DDP prefix
             if only is not None:
                 items = select(items, only, ref.label)
             meta = {"ftkit_job": str(reader.meta.get("job", "")),

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ftkit.capture import loaders, shards
+from ftkit.capture import attached, shards
 from ftkit.capture.flatten import flatten
 from ftkit.capture.rng import rank_local_indices
 from ftkit.capture.shards import ShardSpec
@@ -47,7 +47,7 @@ class Target:
 
 def targets(state: Any) -> list[Target]:
     """The seedable tensors of ``state`` (torch, not RNG state), in flatten order."""
-    skel, live = flatten(state, loaders.extra_layout)
+    skel, live = flatten(state, attached.extra_layout)
     specs, keys = shards.specs_and_keys(state, live)
     modules = [p for p, o in shards.objects_of(state) if hasattr(o, "named_parameters")]
     skip = rank_local_indices(skel)

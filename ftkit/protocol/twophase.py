@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
-from ftkit.capture.staging import Staging
+from ftkit.capture.staging import Staging, TornSnapshotError
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.storage.level import Level
@@ -56,7 +56,33 @@ class Outcome:
 
 
 class ProtocolMismatch(CheckpointError):
-    """Ranks ran the protocol for different steps (a vote or decision of another step)."""
+    """Ranks ran the protocol for different steps: a rank skipped a ``save`` the others made
+    (or called ``close()`` while they saved). A program error a relaunch meets again."""
+
+    recurs = True
+
+
+#: the step ``close()`` announces in :meth:`TwoPhase.check_in_step`: no save pending here
+CLOSING = 2 ** 62
+
+
+def out_of_step(steps: Sequence[int]) -> str:
+    """One line naming the ranks that did not call the lowest ``save`` of ``steps`` (one
+    per rank) and what each called instead."""
+    first = min(steps)
+    called = [r for r, s in enumerate(steps) if s == first]
+    others = [(r, s) for r, s in enumerate(steps) if s != first]
+    what = ", ".join(f"rank {r} called {'close()' if s == CLOSING else f'save({s})'}"
+                     for r, s in others[:8]) + (" ..." if len(others) > 8 else "")
+    return (f"rank{'s' if len(others) > 1 else ''} {_ranks([r for r, _ in others])} did not "
+            f"call save({first}) ({what} while rank{'s' if len(called) > 1 else ''} "
+            f"{_ranks(called)} called save({first})): every rank must call save() with the "
+            f"same steps")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8
+                                             else "")
 
 
 class TwoPhase:
@@ -113,15 +139,29 @@ class TwoPhase:
                       seconds=round(out.seconds, 6), failures=failures, levels=list(snap.levels))
         return out
 
+    def exchange(self, step: int, failure: str | None, phase: str, busy: bool = False
+                 ) -> tuple[bool, bool]:
+        """One fixed-size allreduce: (whether any rank fails, whether any is busy), checking
+        that every rank is at ``step``. The first collective of every protocol run (the
+        ``encode`` agreement, else the vote) and of ``close()`` (``step`` =
+        :data:`CLOSING`) is one: a rank that skipped a save meets its peers here. Raises the
+        same :class:`ProtocolMismatch` on every rank, naming the ranks that skipped a save,
+        when they are at different steps. All ranks call."""
+        no, low, high, busy_ = self.dc.allreduce_max(
+            [failure is not None, -step, step, busy], phase, step)
+        if -low != high:
+            steps = self.dc.allgather(step, phase, step)
+            raise ProtocolMismatch(min(steps), {}, message=out_of_step(steps))
+        return bool(no), bool(busy_)
+
     def _votes(self, step: int, failure: str | None
                ) -> tuple[list[dict[str, Any]] | None, bool]:
         """(every rank's vote at the coordinator, None elsewhere; whether any rank's PFS
         flush is still running — the same on every rank). One fixed-size allreduce says
         whether any rank votes no, runs another step or is still flushing; only when one
         votes no or runs another step are the votes themselves gathered. All ranks call."""
-        no, low, high, busy = self.dc.allreduce_max(
-            [failure is not None, -step, step, self.flush_busy()], "vote", step)
-        if no or -low != high:
+        no, busy = self.exchange(step, failure, "vote", self.flush_busy())
+        if no:
             return self.dc.gather({"step": step, "failure": failure}, "vote", step,
                                   root=COORDINATOR), bool(busy)
         if self.dc.rank != COORDINATOR:
@@ -159,7 +199,7 @@ class TwoPhase:
             return failure
         if failure is None:
             failure = self._guard(lambda: self._before_encode(step), step)
-        if self.dc.agree(failure, "encode", step):
+        if self.exchange(step, failure, "encode")[0]:
             return failure
         return self._guard(lambda: self._encode(step, redundant), step)
 
@@ -242,5 +282,9 @@ def raise_if_failed(out: Outcome) -> None:
     """Raise the same CheckpointError on every rank if ``out`` reports failures."""
     if out.failures:
         state = "committed, but" if out.committed else "aborted;"
-        raise CheckpointError(out.step, out.failures, message=(
+        error = CheckpointError(out.step, out.failures, message=(
             f"checkpoint of step {out.step} {state} failures"))
+        # a torn snapshot is the program's doing: relaunched, it tears the same tensor again
+        error.recurs = all(f.startswith(f"{TornSnapshotError.__name__}: ")
+                           for f in out.failures.values())
+        raise error

@@ -18,7 +18,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ftkit.capture import loaders
+from ftkit.capture import attached, loaders
 from ftkit.capture.flatten import DecodeError, TensorLeaf, flatten
 from ftkit.capture.inplace import live_leaves, plan_reading
 from ftkit.capture.landing import Gate, GatedLanding
@@ -132,6 +132,7 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
             own = reader.group(topo.rank)
             if not _other_cut(own, state, step):
                 return _Opened(reader, topo.rank, state, step, own)
+        _check_loaders(meta, topo, state, step)
         groups = {r: own if r == topo.rank and own is not None else reader.group(r)
                   for r in range(int(meta["world"]))}
         if reshard.declared(groups):
@@ -140,6 +141,21 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
     except BaseException:
         reader.close()
         raise
+
+
+def _check_loaders(meta: dict[str, Any], topo: Any, state: Any, step: int) -> None:
+    """Refuse a DP change with a loader whose position is one rank's share of the data (its
+    samples would be skipped or seen twice, silently). CheckpointError naming it. Local."""
+    world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
+    dp = world // (tp * pp)
+    path = loaders.split_by_dp(state) if dp != topo.dp else None
+    if path is not None:
+        raise CheckpointError(step, {}, message=(
+            f"cannot restore step {step} saved at dp{dp} on dp{topo.dp}: state[{path!r}] is a "
+            f"data loader whose sampler splits the data among the data-parallel ranks, and "
+            f"its saved position counts one rank's share of dp{dp}; ftkit does not convert "
+            f"it: restore with {world} ranks, or keep the loader out of the state and start "
+            f"it at the global sample the job had reached"))
 
 
 def _layout_change(meta: dict[str, Any], topo: Any, sharded: bool) -> dict[str, Any]:
@@ -167,7 +183,7 @@ def _other_cut(group: Any, state: Any, step: int) -> bool:
     pieces; the others may still read theirs directly)."""
     saved = {e["path"]: reshard.spec_of(e) if e["shard"] is not None else None
              for e in group.entries}
-    why = cut_difference(saved, state, live_leaves(state, loaders.extra_layout))
+    why = cut_difference(saved, state, live_leaves(state, attached.extra_layout))
     if why is not None:
         log.info("restore: PFS step %d: %s: resharded", step, why)
     return why is not None

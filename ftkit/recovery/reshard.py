@@ -34,13 +34,14 @@ from typing import Any
 import numpy as np
 
 from ftkit.buffers import aligned_empty
-from ftkit.capture import loaders, shards
+from ftkit.capture import attached, shards
 from ftkit.capture.flatten import (
     TensorLeaf,
     dtensor_type,
     flatten,
     itemsize,
     leaf_from_bytes,
+    reserved,
     unflatten,
 )
 from ftkit.capture.inplace import Reading, _as_live, destination
@@ -194,7 +195,7 @@ class _Builder:
 
     def __init__(self, catalog: Catalog, template: int, state: Any) -> None:
         self.catalog, self.template = catalog, template
-        self.skel, self.live = flatten(state, loaders.extra_layout)
+        self.skel, self.live = flatten(state, attached.extra_layout)
         self.specs, self.keys = shards.specs_and_keys(state, self.live)
         objects = list(shards.objects_of(state))
         self.modules = [p for p, o in objects if hasattr(o, "named_parameters")]
@@ -238,7 +239,8 @@ class _Builder:
     def _tensor(self, node: Node, path: str) -> Node:
         i = int(node["i"])
         live = self.live[i]
-        if any(path.startswith(m + "/") for m in self.modules) or i in self.specs:
+        if (any(path.startswith(m + "/") for m in self.modules) or i in self.specs) and \
+                not reserved(path):
             spec = self.specs.get(i) or boxes.whole(live.shape)
             return self._add(Target(self._plain(live), live, self.keys.get(i) or path, spec),
                              bool(node.get("scalar")))

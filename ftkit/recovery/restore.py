@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture import loaders
+from ftkit.capture import attached
 from ftkit.capture.apply import load_into, mismatch_text, structure_diff
 from ftkit.capture.devicecopy import DeviceLanding
 from ftkit.capture.flatten import DecodeError
@@ -331,7 +331,7 @@ def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> Reading:
     specs = header_table(shard.header, "shards")
     saved = {t["path"]: ShardSpec.from_json(specs[str(i)]) if str(i) in specs else None
              for i, t in enumerate(shard.header["tensors"])}
-    why = cut_difference(saved, state, live_leaves(state, loaders.extra_layout))
+    why = cut_difference(saved, state, live_leaves(state, attached.extra_layout))
     if why is not None:
         raise ValueError(f"step {step} was saved with another cut: {why} (DTensor placements "
                          f"or declared shards changed; a PFS level reshards)")

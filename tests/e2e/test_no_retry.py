@@ -65,3 +65,43 @@ def test_clean_removes_a_real_job(tmp_path: Path) -> None:
     assert f"removed {res.pfs / 'e2e'} (" in clean.stdout
     assert f"removed {res.local} (" in clean.stdout
     assert not (res.pfs / "e2e").exists() and not res.local.exists()
+
+
+#: Every rank saves every step, except that rank 1 skips ``save(SKIP)``.
+_SKIPS_A_SAVE = """
+import sys
+import numpy as np
+from mpi4py import MPI
+import ftkit
+skip, steps = int(sys.argv[1]), int(sys.argv[2])
+comm = MPI.COMM_WORLD
+ckpt = ftkit.Checkpointer(ftkit.Topology.create(comm))
+state = {"w": np.zeros(64)}
+step = ckpt.restore(state)
+while step < steps:
+    step += 1
+    state["w"] += 1
+    comm.Barrier()
+    if not (comm.rank == 1 and step == skip):
+        ckpt.save(step, state)
+ckpt.close()
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("skip,instead", [(3, "save(4)"), (5, "close()")])
+def test_a_rank_that_skips_a_save_is_named_and_not_retried(tmp_path: Path, skip: int,
+                                                           instead: str) -> None:
+    """Rank 1 skips ``save(3)`` (then calls ``save(4)``) or the last ``save(5)`` (then
+    ``close()``): at once, every rank stops with one line naming rank 1 and the save it did
+    not call, and ``ftkit run`` does not relaunch (before: retried, and the skipped last
+    save waited FTKIT_TIMEOUT, reported as a peer dead or hung)."""
+    script = tmp_path / "skips.py"
+    script.write_text(_SKIPS_A_SAVE)
+    res = run_example(tmp_path, script, n=2, ranks_per_node=1, max_restarts=3,
+                      attempt_timeout=120, timeout=280, args=(str(skip), "5"),
+                      FTKIT_LEVELS="local:1,partner:1")
+    lines = res.attempt_lines()
+    assert res.rc == 3 and len(lines) == 1, res.tail()
+    assert (f"failed: not retried: ProtocolMismatch: rank 1 did not call save({skip}) (rank 1 "
+            f"called {instead} while rank 0 called save({skip}))") in lines[0], lines

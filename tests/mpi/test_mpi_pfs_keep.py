@@ -59,3 +59,19 @@ def test_a_failed_flush_removes_nothing(ftkit_env) -> None:
     flushes = [(e["step"], e["removed"]) for e in events(ftkit_env.events_path)
                if e["event"] == "flush"]
     assert flushes == [(1, []), (2, []), (4, [1])], flushes
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_close_flushes_the_final_step_that_was_not_due(ftkit_env, async_) -> None:
+    """``local:1,pfs:4``, steps 1-6: step 4 is flushed when due; the final step 6 is not
+    due, and ``close()`` flushes it, so the finished job's final state is on the PFS (before:
+    only in node-local memory)."""
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(async_=async_, levels="local:1,pfs:4"))
+        for step in range(1, 7):
+            ckpt.save(step, small_state(RANK, step))
+        ckpt.close()
+        assert ckpt.last_flushed == 6
+    assert committed_pfs_steps(ftkit_env.pfs_dir / ftkit_env.job) == [4, 6]
+    flushes = [e["step"] for e in events(ftkit_env.events_path) if e["event"] == "flush"]
+    assert flushes == [4, 6], flushes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -139,6 +140,8 @@ def test_newer_unusable_steps_are_parked_after_a_pfs_restore(ftkit_env):
     levels = "local:1,pfs:2"
     with topology() as topo:
         save_steps(topo, [1, 2, 3], levels=levels)
+        if RANK == 0:       # as if killed before close() flushed its final step 3
+            shutil.rmtree(ftkit_env.pfs_dir / ftkit_env.job / "step-3")
         if RANK == 1:
             for s in (2, 3):
                 flip_byte(ftkit_env.step_dir(0, s) / "rank-1.ftk")

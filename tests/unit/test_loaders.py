@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from ftkit.capture import loaders
+from ftkit.capture import attached, loaders
 from ftkit.capture.apply import load_into
 from ftkit.capture.flatten import flatten, unflatten
 from ftkit.capture.rng import RNGState
@@ -31,6 +31,8 @@ EPOCHS, N, BATCH = 3, 24, 4          # 6 batches per epoch
 
 class FakeDC:
     """The agreement of a 1-rank world."""
+
+    rank = 0
 
     def agree(self, failure: str | None, _phase: str, _step: int) -> dict[int, str]:
         return {0: failure} if failure else {}
@@ -87,13 +89,13 @@ def _run(state: dict[str, Any], start: int, saves: dict[int, Any] | None) -> lis
 @pytest.mark.parametrize("sampler", ["distributed", "shuffle"])
 def test_resume_mid_epoch_is_bit_exact(workers: int, generator: bool, sampler: str) -> None:
     a = _make(workers, generator, sampler)
-    loaders.admit(FakeDC(), a)
+    attached.admit(FakeDC(), a)
     saves: dict[int, Any] = {}
     ref = _run(a, 0, saves)
     per_epoch = N // BATCH
     for k in (3, 6, 9):               # mid-epoch, at an epoch's end, mid-epoch again
         b = _make(workers, generator, sampler)
-        loaders.admit(FakeDC(), b)
+        attached.admit(FakeDC(), b)
         tree, tensors = saves[k]
         load_into(b, unflatten(tree, [t.clone() if hasattr(t, "clone") else t.copy()
                                       for t in tensors]), k)
@@ -134,7 +136,7 @@ def test_plain_dataloader_refused_before_the_first_step() -> None:
     data = TensorDataset(torch.zeros(8, 2))
     state = {"model": torch.nn.Linear(2, 2), "data": DataLoader(data, batch_size=2)}
     with pytest.raises(UnsupportedStateError) as err:
-        loaders.admit(FakeDC(), state)
+        attached.admit(FakeDC(), state)
     msg = str(err.value)
     assert "state['data'] is a plain torch.utils.data.DataLoader" in msg
     assert "StatefulDataLoader" in msg and err.value.recurs
@@ -142,7 +144,7 @@ def test_plain_dataloader_refused_before_the_first_step() -> None:
 
 def test_other_unsupported_leaf_refused_before_the_first_step() -> None:
     with pytest.raises(UnsupportedStateError, match=r"cannot checkpoint this state: .*object"):
-        loaders.admit(FakeDC(), {"w": torch.zeros(2), "odd": object()})
+        attached.admit(FakeDC(), {"w": torch.zeros(2), "odd": object()})
 
 
 def test_extra_layout_has_the_leaves_of_extra_without_its_side_effects() -> None:

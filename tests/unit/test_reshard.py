@@ -12,6 +12,7 @@ import pytest
 
 import ftkit
 from ftkit.capture.apply import load_into
+from ftkit.capture.flatten import RESERVED
 from ftkit.capture.landing import Gate
 from ftkit.errors import CheckpointError
 from ftkit.recovery.reshard import Resharded, declared, template_rank
@@ -158,3 +159,60 @@ def test_layout_change_names_both_layouts() -> None:
                             "4 ranks (dp1 tp2 pp2)")
     replica = _layout_change({"world": 8, "tp": 1, "pp": 1}, topo, sharded=False)
     assert replica["how"].startswith("resharded from a DP replica: 8 ranks (dp8 tp1 pp1)")
+
+
+class _Drawn:
+    """An object whose saved state carries ftkit's rank-local part, as a loader's does (its
+    generator is seeded per rank)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {RESERVED: {"generator": torch.full((4,), self.rank, dtype=torch.uint8)},
+                "pos": self.rank}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.rank = sd["pos"]
+
+
+@pytest.mark.parametrize("tp,t", [(1, 0), (4, 3)])
+def test_what_ftkit_saves_beside_an_object_comes_from_the_template_rank(
+        tmp_path: Path, tp: int, t: int) -> None:
+    """A loader's generator differs on every rank by design: it is not compared across the
+    saved ranks (no "different contents" refusal) and each rank gets its template's."""
+    full = _full()
+    step_dir = tmp_path / "job" / "step-1"
+    states = [{**_state(full, 2, r, stepped=True), "loader": _Drawn(r)} for r in range(2)]
+    write_step(step_dir, states, tp=2, rank_files=True)
+    state = {**_state(full, tp, t, stepped=False), "loader": _Drawn(9)}
+    with StepReader(step_dir, 1) as reader:
+        groups = {r: reader.group(r) for r in range(2)}
+        opened = Resharded(reader, groups, Topo(t, Coords(tp=t)), state, 1)
+        opened.read(Gate(), lambda n: None)
+        template = template_rank((1, 2, 1), Coords(tp=t))
+        mine = opened.reading.tree["loader"][RESERVED]["generator"]
+        assert torch.equal(mine, torch.full((4,), template, dtype=torch.uint8))
+        load_into(state, opened.reading.tree, 1)
+    assert state["loader"].rank == template
+
+
+def test_a_dp_change_with_a_loader_over_a_distributed_sampler_is_refused() -> None:
+    """Its position counts one rank's share of the data: refused naming it, never silently
+    moved to another global sample; the same DP size, or a sampler that does not split the
+    data, passes."""
+    from torch.utils.data import DistributedSampler, RandomSampler, TensorDataset
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    from ftkit.recovery.pfs_restore import _check_loaders
+    data = TensorDataset(torch.arange(16.0))
+    split = sdl.StatefulDataLoader(data, sampler=DistributedSampler(data, num_replicas=4,
+                                                                    rank=1))
+    topo = dataclasses.make_dataclass("Topo", ["dp"])
+    meta = {"world": 4, "tp": 1, "pp": 1}
+    with pytest.raises(CheckpointError, match=r"cannot restore step 7 saved at dp4 on dp2: "
+                                              r"state\['data'\] is a data loader whose sampler "
+                                              r"splits the data"):
+        _check_loaders(meta, topo(2), {"model": torch.nn.Linear(2, 2), "data": split}, 7)
+    _check_loaders(meta, topo(4), {"data": split}, 7)
+    whole = sdl.StatefulDataLoader(data, sampler=RandomSampler(data))
+    _check_loaders(meta, topo(2), {"data": whole}, 7)
