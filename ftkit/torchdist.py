@@ -65,9 +65,11 @@ def init_torch_distributed(comm: MPI.Comm | Any = None, backend: str | None = No
     """
     from mpi4py import MPI
 
+    from ftkit.comm.dist import keep_children_out_of_mpi
     from ftkit.comm.topology import check_launcher
     from ftkit.injob import sockets
     check_launcher(os.environ, MPI.COMM_WORLD.Get_size())   # torchrun: refuse, not hang
+    keep_children_out_of_mpi()           # spawn / forkserver loader workers
     import torch
     import torch.distributed as dist
     comm = getattr(comm, "comm", comm) or MPI.COMM_WORLD

@@ -335,6 +335,28 @@ def _debugging() -> bool:
             or os.environ.get("FTKIT_LOG_LEVEL", "").strip().upper() == "DEBUG")
 
 
+#: preloaded by a rank's forkserver: it dies with the rank (see that module)
+_CHILD_GUARD = "ftkit.launch.childguard"
+
+
+def keep_children_out_of_mpi() -> None:
+    """A child process that imports this rank's script again (a DataLoader worker started
+    with ``spawn`` or ``forkserver``, Python 3.14's default on Linux) runs its top-level
+    ``from mpi4py import MPI``, which would initialise MPI in a process no launcher knows
+    (the worker or the job's exit hangs). Once this rank's MPI is up,
+    ``MPI4PY_RC_INITIALIZE=0`` in its environment makes such an import leave MPI alone (a
+    child that wants MPI calls ``MPI.Init()`` itself; a value already set is kept). And a
+    forkserver this rank starts preloads :mod:`ftkit.launch.childguard`, so that it and its
+    workers do not outlive a killed rank. Local."""
+    if not MPI.Is_initialized():
+        return
+    os.environ.setdefault("MPI4PY_RC_INITIALIZE", "0")
+    from multiprocessing import forkserver
+    preload = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+    if _CHILD_GUARD not in preload:
+        forkserver.set_forkserver_preload([_CHILD_GUARD, *preload])
+
+
 def install_abort_hooks() -> None:
     """Make an uncaught exception in any thread abort the MPI world instead of hanging it.
 

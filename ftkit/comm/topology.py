@@ -16,7 +16,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from mpi4py import MPI
 
 from ftkit.comm import placement
-from ftkit.comm.dist import install_abort_hooks
+from ftkit.comm.dist import install_abort_hooks, keep_children_out_of_mpi
 from ftkit.errors import ConfigError
 from ftkit.launch.fatal import record_fatal
 
@@ -104,6 +104,7 @@ class Topology:
         ``ftkit run`` (:mod:`ftkit.launch.fatal`): a relaunch would fail the same way.
         """
         install_abort_hooks()
+        keep_children_out_of_mpi()
         world, rank = comm.Get_size(), comm.Get_rank()
         try:
             check_launcher(os.environ, MPI.COMM_WORLD.Get_size())

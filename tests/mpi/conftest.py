@@ -207,3 +207,18 @@ def ftkit_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[FtkitEnv]:
         comm.Barrier()
         if comm.Get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def torch_group() -> Iterator[None]:
+    """torch's default process group over the 4 ranks (gloo), for one test module."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import ftkit
+    ftkit.init_torch_distributed(MPI.COMM_WORLD, backend="gloo", timeout_s=60)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -8,7 +8,7 @@ where the layout matters: resuming with torch alone differs in the last bits."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,16 +19,6 @@ from .mpi_helpers import RANK, WORLD, topology
 
 torch = pytest.importorskip("torch")
 STEPS, SAVED = 6, 3
-
-
-@pytest.fixture(scope="module")
-def torch_group() -> Iterator[None]:
-    import torch.distributed as dist
-    ftkit.init_torch_distributed(WORLD, backend="gloo", timeout_s=60)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Net(torch.nn.Module):

@@ -4,7 +4,6 @@ global tensors; restore, from the node-local level and from the PFS, gives the D
 in place, Adam state included."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import h5py
@@ -18,16 +17,6 @@ from .mpi_helpers import RANK, WORLD, events, from_rank0, topology
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.tensor")
-
-
-@pytest.fixture(scope="module")
-def torch_group() -> Iterator[None]:
-    import torch.distributed as dist
-    ftkit.init_torch_distributed(WORLD, backend="gloo", timeout_s=60)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _full() -> dict[str, Any]:
