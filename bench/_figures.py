@@ -2,7 +2,7 @@
 
 A figure is ``{"value", "unit", "to", "ratio", "goal", "op", "met"}``: ``ratio`` is value /
 (the value named by ``to``); ``goal`` with ``op`` ``">="`` or ``"<="`` says what the design
-asks of the ratio (README.md, Performance); ``met`` is None when no goal applies.
+asks of the ratio (docs/performance.md); ``met`` is None when no goal applies.
 """
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def lines(figures: Figures) -> list[str]:
 
 
 def markdown(figures: Figures) -> str:
-    """The README's Performance table: one row per figure that has a ratio (pure)."""
+    """The performance table (docs/performance.md): one row per figure that has a ratio (pure)."""
     rows = ["| figure | value | ratio | goal |", "|---|---|---|---|"]
     for name, f in figures.items():
         if f["ratio"] is None:
@@ -258,7 +258,7 @@ def markdown(figures: Figures) -> str:
 
 
 def costs_markdown(levels_part: dict[str, Any]) -> str:
-    """The README's table of what each operation costs a rank at the largest size of the
+    """The table (docs/performance.md) of what each operation costs a rank at the largest size of the
     levels part: passes over the state's bytes by kind (counted by ftkit's code paths),
     CPU seconds, peak extra memory (pure; empty when the part has no costs)."""
     rows = ["| operation | level | MiB/rank | passes | of which | CPU s | peak extra MiB |",

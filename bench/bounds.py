@@ -11,7 +11,7 @@ and is given per rank (bytes of one rank / seconds):
 
 * ``memcpy``: NumPy copy into a preallocated, already touched buffer;
 * ``tmpfs_write``: write + fsync + rename of a file in a private /dev/shm directory
-  (``ftkit.storage.shard.write_atomic``, the writer of ftkit's node-local level);
+  (``ftkit.fs.write_atomic``, the writer of ftkit's node-local level);
 * ``disk_write_fsync``: the same into a private directory under --disk-dir (default: the
   system temp dir; pass a directory on the real disk if that is a tmpfs);
 * ``p2p_same_node``: ranks 2i and 2i+1 exchange their buffers (``Isend`` + ``Irecv``) with
@@ -51,7 +51,7 @@ def _p2p(comm: Any, out: np.ndarray, back: np.ndarray, repeat: int) -> float:
 
 
 def _measure_all(args: argparse.Namespace, comm: Any) -> dict[str, float]:
-    from ftkit.storage.shard import write_atomic
+    from ftkit.fs import write_atomic
 
     nbytes, rank = args.size_mib << 20, comm.rank
     src = np.full(nbytes, rank + 1, dtype=np.uint8)

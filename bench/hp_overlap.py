@@ -13,7 +13,7 @@ run the example reports the p50 and p99 of its iteration times (slowest rank); a
 configuration's ``overhead_p50`` / ``overhead_p99`` is the median over rounds of its p50 /
 p99 divided by the same round's p50 / p99 without checkpoints, minus 1 (min and max beside
 it). Prints ``name: value (ratio to X = r)`` lines and writes ``hp_overlap.json``. Goals
-(README.md, Performance): blocking <= 1 % of an iteration with ``local:1,partner:1``;
+(docs/performance.md): blocking <= 1 % of an iteration with ``local:1,partner:1``;
 overhead p50 <= 5 % checkpointing every step, <= 1 % every 5th step.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ saves, as training would change it):
 
 A rank's whole footprint is private + node-local; mapped slot pages are those same file pages
 (``peak_rss`` counts them once more). Figures are the most any rank held. The goal's figure
-(README, Performance) is ``peak_private_mib`` of a synchronous save as a fraction of the state.
+(docs/performance.md) is ``peak_private_mib`` of a synchronous save as a fraction of the state.
 Writes memory.json.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ parity block, RS with 2), on the same ranks; seconds are the best of the rounds,
 median of per-round ratios with their spread. Prints ``name: value (ratio to X = r)`` lines
 and writes redundancy.json, including ``level_costs_s`` for ``ftkit advise --measured``.
 
-Goals (README.md, Performance): partner/XOR >= 0.7x p2p; RS encode >= 0.7x XOR encode of the
+Goals (docs/performance.md): partner/XOR >= 0.7x p2p; RS encode >= 0.7x XOR encode of the
 same set: ``rs_vs_xor_same_parity`` (RS with one parity block: the same tolerance and bytes
 moved as XOR, so the ratio is what the GF(256) arithmetic costs). ``rs_vs_xor`` compares RS
 with 2 parity blocks, which tolerates two losses and sends ``sent_bytes_per_rank["rs"]`` /
@@ -39,11 +39,12 @@ def _child(args: argparse.Namespace) -> None:
     from ftkit.comm.dist import DistComm
     from ftkit.comm.placement import erasure_sets, partner_map, set_of
     from ftkit.comm.topology import virtual_nodes
+    from ftkit.faults import Faults
+    from ftkit.fs import write_atomic
     from ftkit.storage.local import LocalLevel
     from ftkit.storage.redundancy.erasure import ErasureLevel
     from ftkit.storage.redundancy.partner import PartnerLevel
-    from ftkit.storage.shard import write_atomic, write_shard
-    from ftkit.testing.faults import Faults
+    from ftkit.storage.shard import write_shard
 
     comm = MPI.COMM_WORLD
     rank, world = comm.rank, comm.size

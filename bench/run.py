@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--only", default="", help="comma-separated parts (default: all)")
     ap.add_argument("--table", metavar="RUN_JSON",
-                    help="print the README tables (figures, costs) of a run.json")
+                    help="print the docs/performance.md tables (figures, costs) of a run.json")
     args = ap.parse_args()
     if args.table:
         run = json.loads(Path(args.table).read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ftkit._version import __version__
 from ftkit.capture.rng import RNGState
 from ftkit.capture.shards import declare_shard
 from ftkit.config import Config
@@ -26,7 +27,6 @@ from ftkit.errors import (
 )
 from ftkit.injob import resilient
 
-__version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "Checkpointer",

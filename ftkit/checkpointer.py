@@ -1,4 +1,4 @@
-"""The public entry point: :class:`Checkpointer` (README.md, "Using it").
+"""The public entry point: :class:`Checkpointer` (README.md, "Using it"; docs/guide.md).
 
 ``save`` captures the state (phase ``capture``) and, with ``FTKIT_ASYNC=1``, returns at
 once: parameters and optimizer state are staged to host memory by a worker thread (GPU: a
@@ -26,11 +26,12 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ftkit import __version__
+from ftkit._version import __version__
 from ftkit.capture import attached, shards
 from ftkit.capture.flatten import TensorLeaf, flatten
 from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
+from ftkit.comm import flag as injob
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import Config
@@ -41,9 +42,10 @@ from ftkit.errors import (
     ProtocolTimeout,
 )
 from ftkit.events import append_event, mark_progress
+from ftkit.faults import Faults
 from ftkit.flushes import Flushes
-from ftkit.injob import flag as injob
-from ftkit.launch.fatal import record_death, record_fatal
+from ftkit.fs import write_record
+from ftkit.jobdir.fatal import record_death, record_fatal
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
 from ftkit.levelnames import IMPLEMENTED_LEVELS
@@ -59,11 +61,10 @@ from ftkit.recovery import pfs_restore
 from ftkit.recovery import restore as recovery
 from ftkit.recovery.claim import JobClaim
 from ftkit.storage.levels import Levels
-from ftkit.storage.local import COMMITTED, LocalLevel, write_record
+from ftkit.storage.local import COMMITTED, LocalLevel
 from ftkit.storage.pfs import early
 from ftkit.storage.pfs.level import PfsLevel
 from ftkit.storage.pfs.retention import remove_steps
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 State = MutableMapping[str, Any]

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.errors import ConfigError
+from ftkit.faults import parse_faults
 from ftkit.levelnames import LEVEL_NAMES, REDUNDANCY_LEVELS
-from ftkit.testing.faults import parse_faults
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
@@ -75,7 +75,7 @@ DEFAULT_JOB = "local"       # the job of a direct launch (mpiexec/srun) that nam
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Immutable ftkit settings; see the Configuration section of README.md for the meaning of every field."""
+    """Immutable ftkit settings; see the Configuration section of docs/guide.md for the meaning of every field."""
 
     job: str = ""                    # "" = DEFAULT_JOB (ftkit run makes a new id instead)
     local_dir: str = ""
@@ -215,13 +215,13 @@ class Config:
 
         ``toml_path`` defaults to ``$FTKIT_CONFIG`` or ``./ftkit.toml`` when that exists.
         A :class:`ConfigError` is also recorded for ``ftkit run`` (``$FTKIT_FATAL_DIR``, see
-        :mod:`ftkit.launch.fatal`): a relaunch would fail the same way.
+        :mod:`ftkit.jobdir.fatal`): a relaunch would fail the same way.
         """
         env = os.environ if env is None else env
         try:
             return cls._load(toml_path, env, overrides)
         except ConfigError as exc:
-            from ftkit.launch.fatal import env_rank, record_fatal  # not at import: a cycle
+            from ftkit.jobdir.fatal import env_rank, record_fatal  # not at import: a cycle
             record_fatal(exc, env_rank(env), env=env)
             raise
 

@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ftkit.comm import flag
 from ftkit.comm.dist import describe
 from ftkit.errors import ProtocolTimeout
-from ftkit.injob import flag
 from ftkit.storage.pfs.early import EarlyWrite
 from ftkit.storage.pfs.level import PfsLevel
 from ftkit.storage.slots import Reservation

@@ -98,7 +98,7 @@ def _interruptible(make: Callable[[], T], timeout_s: float, what: str) -> T:
     PeerLost as soon as a peer's failure is known (a client connecting to the store of a
     dead rank 0 retries until its timeout; the thread is left to that and its result
     dropped). Local."""
-    from ftkit.injob import flag
+    from ftkit.comm import flag
     if not flag.active():
         return make()
     future: cf.Future[T] = cf.Future()

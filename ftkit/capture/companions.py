@@ -9,10 +9,10 @@ collector's objects, at ``restore()`` or the first ``save()``), each named with 
 """
 from __future__ import annotations
 
-import gc
 import sys
 from typing import Any
 
+from ftkit.capture.live import instances
 from ftkit.capture.loaders import walk
 
 
@@ -31,7 +31,7 @@ def left_out(state: Any) -> list[str]:
     from torch.optim.lr_scheduler import LRScheduler
     from torch.optim.swa_utils import AveragedModel
     out = []
-    for obj in gc.get_objects():
+    for obj in instances(LRScheduler, AveragedModel):
         if id(obj) in held:
             continue
         if isinstance(obj, LRScheduler) and id(getattr(obj, "optimizer", None)) in optimizers:

@@ -22,12 +22,12 @@ one-line fix (``find_unused_parameters=True``: DDP then never rebuilds).
 """
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 import weakref
 from typing import Any
 
+from ftkit.capture.live import instances
 from ftkit.capture.loaders import walk
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def find(state: Any) -> None:
     modules = [v for _, v in walk(state) if isinstance(v, torch.nn.Module)]
     wrapping: dict[int, Any] = {}
     if any(not isinstance(m, cls) for m in modules):
-        wrapping = {id(o.module): o for o in gc.get_objects() if isinstance(o, cls)}
+        wrapping = {id(o.module): o for o in instances(cls)}
     for module in modules:
         ddp = module if isinstance(module, cls) else wrapping.get(id(module))
         if ddp is not None:

@@ -52,8 +52,8 @@ from ftkit.cli.scan import (
 )
 from ftkit.cli.userkeys import user_view
 from ftkit.errors import CorruptCheckpointError
+from ftkit.fs import fsync_dir
 from ftkit.storage.pfs.h5group import count_tensors
-from ftkit.storage.shard import fsync_dir
 
 OK = 0
 OUT = "out"                             # the output's name inside the scratch directory

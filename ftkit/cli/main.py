@@ -1,4 +1,4 @@
-"""``ftkit`` command line (README.md; `ftkit --help`). Only this module configures logging.
+"""``ftkit`` command line (docs/guide.md; `ftkit --help`). Only this module configures logging.
 
 Subcommands: ``run``, ``clean``, ``advise``, ``inspect``, ``verify``, ``export``. Importing this
 module imports neither mpi4py nor torch. Exit status 2 means a usage, configuration or
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``ftkit`` argument parser with every registered subcommand."""
     parser = argparse.ArgumentParser(prog="ftkit", description="Fault tolerance for MPI "
                                      "training jobs: checkpoints, recovery, relaunch.")
-    from ftkit import __version__
+    from ftkit._version import __version__
     parser.add_argument("--version", action="version", version=f"ftkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(sub)

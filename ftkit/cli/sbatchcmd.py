@@ -7,12 +7,12 @@ asks for the nodes plus spares, ``--no-kill``, a signal before the time limit an
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from ftkit.errors import LaunchError
+from ftkit.fs import write_text_atomic
 from ftkit.slurm.sbatch import SbatchSpec, render_sbatch
 
 
@@ -92,11 +92,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     out = Path(args.out)
-    tmp = out.with_name(f".{out.name}.tmp")
     try:
-        tmp.write_text(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
+        write_text_atomic(out, text, mode=0o755)
     except OSError as exc:
         print(f"ftkit sbatch: error: cannot write {out}: {exc.strerror}", file=sys.stderr)
         return 2

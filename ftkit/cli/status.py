@@ -18,10 +18,10 @@ from typing import Any
 from ftkit.cli.fmt import human, tree_size
 from ftkit.config import Config
 from ftkit.events import read_events
+from ftkit.jobdir.identity import RUN_FILE
 from ftkit.joblock import LOCK_FILE, describe, held_by
 from ftkit.launch.jobs import jobs_in
 from ftkit.launch.orphans import held_locks, this_host_job_dir
-from ftkit.recovery.identity import RUN_FILE
 from ftkit.storage.stepnames import step_dirs
 
 OUTCOMES = ("done", "gave-up", "stopped", "requeue", "attempt-end")

@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 import numpy as np
 from mpi4py import MPI
 
+from ftkit.comm import flag as injob
 from ftkit.errors import CheckpointError, ProtocolTimeout
-from ftkit.injob import flag as injob
-from ftkit.launch.fatal import record_death, recurs
+from ftkit.jobdir.fatal import record_death, recurs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,7 +94,7 @@ class DistComm:
         yielding the CPU in between; small control messages (and ``spin=False``: a long wait
         for another rank's I/O) back off to millisecond sleeps. On a timeout the requests are
         left as they are: see :meth:`waitall_bulk` for transfers. Under in-job recovery a
-        known failure of a peer ends the wait at once (:class:`~ftkit.injob.flag.PeerLost`),
+        known failure of a peer ends the wait at once (:class:`~ftkit.comm.flag.PeerLost`),
         as does any wait on a communicator of an earlier generation (abandoned threads)."""
         limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
         spin = nbytes is not None if spin is None else spin

@@ -18,7 +18,8 @@ from mpi4py import MPI
 from ftkit.comm import placement
 from ftkit.comm.dist import install_abort_hooks, keep_children_out_of_mpi
 from ftkit.errors import ConfigError
-from ftkit.launch.fatal import record_fatal
+from ftkit.jobdir.deathsig import bind_to_launcher
+from ftkit.jobdir.fatal import record_fatal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +102,11 @@ class Topology:
         ``ranks_per_node`` defaults to ``$FTKIT_RANKS_PER_NODE`` (virtual nodes) and, when
         unset, to the real nodes found with ``COMM_TYPE_SHARED``. A :class:`ConfigError`
         (a shape that does not fit the world) is raised on every rank and recorded for
-        ``ftkit run`` (:mod:`ftkit.launch.fatal`): a relaunch would fail the same way.
+        ``ftkit run`` (:mod:`ftkit.jobdir.fatal`): a relaunch would fail the same way.
         """
         install_abort_hooks()
         keep_children_out_of_mpi()
+        bind_to_launcher()
         world, rank = comm.Get_size(), comm.Get_rank()
         try:
             check_launcher(os.environ, MPI.COMM_WORLD.Get_size())

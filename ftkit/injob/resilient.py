@@ -9,7 +9,7 @@ With it, the job's processes are N working ranks and K spares (the last K of
    :mod:`ftkit.injob.heartbeat`, which ends a process that hangs); the working ranks call
    ``train(comm)`` with a communicator of the N working ranks, the spares wait, idle;
 2. a rank dies: ULFM tells the watchers, which revoke the communicators; every wait of
-   ftkit ends with :class:`~ftkit.injob.flag.PeerLost`, a torch collective with the lost
+   ftkit ends with :class:`~ftkit.comm.flag.PeerLost`, a torch collective with the lost
    peer's connection error; ``train`` raises on every survivor;
 3. every survivor and every spare: abandon the Checkpointers of the generation (threads
    stopped, locks released, no communication), destroy torch's process group (its sockets
@@ -45,10 +45,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ftkit.comm import flag
 from ftkit.errors import ConfigError, FtkitError
-from ftkit.injob import flag
 from ftkit.injob.deadline import Deadline
-from ftkit.launch.mpiexec import SPARES_ENV
+from ftkit.jobdir.env import SPARES_ENV
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class InJob:
                               f"{MPI.COMM_WORLD.Get_size()} processes")
         self._warmed = False
         from ftkit.config import Config
-        from ftkit.testing.faults import Faults
+        from ftkit.faults import Faults
         cfg = Config.load()
         self.heartbeat = cfg.heartbeat
         self.timeout = cfg.timeout
@@ -215,7 +215,7 @@ def _leave_node(old: Any, moved: list[int]) -> None:
 def _peer_failure(exc: BaseException) -> bool:
     """Is ``exc`` (raised by ``train``) the echo of a peer's failure? Yes when the flag is
     tripped, MPI reports a failed process, or a torch collective lost its peer; else the
-    watcher gets :data:`~ftkit.injob.flag.CONFIRM_S` to confirm one."""
+    watcher gets :data:`~ftkit.comm.flag.CONFIRM_S` to confirm one."""
     from ftkit.comm.dist import lost_peer
     from ftkit.injob.watch import is_failure
     if flag.tripped():
@@ -310,7 +310,7 @@ def fall_back(why: str, rank: int) -> None:
     logical rank (-1: a spare). Never returns."""
     from mpi4py import MPI
 
-    from ftkit.launch.fatal import record_death
+    from ftkit.jobdir.fatal import record_death
     process = MPI.COMM_WORLD.Get_rank()
     line = f"in-job recovery impossible: {why}; falling back to a relaunch"
     log.error("%s: %s", who(rank, process), line)

@@ -4,7 +4,7 @@ Each generation's *world* communicator (working ranks and spares) carries one re
 ``MPI_ANY_SOURCE`` per process, posted by :class:`Watch`. ULFM completes it with
 ``MPI_ERR_PROC_FAILED(_PENDING)`` when any process of the world dies, or with
 ``MPI_ERR_REVOKED`` when a survivor revoked the world; either way the watcher trips the
-process's failure flag (:mod:`ftkit.injob.flag`) and revokes the world and the working
+process's failure flag (:mod:`ftkit.comm.flag`) and revokes the world and the working
 communicator, so every survivor and every spare learns of the failure within milliseconds
 whatever it is blocked in. A message with :data:`DONE` ends the watch of a job that finished.
 
@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 from mpi4py import MPI
 
-from ftkit.injob import flag, heartbeat, sockets
+from ftkit.comm import flag
+from ftkit.injob import heartbeat, sockets
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 
-from ftkit.launch.orphans import die_with
+from ftkit.jobdir.deathsig import die_with
 
 _arm = die_with(os.getppid(), signal.SIGKILL)
 if _arm is not None:

@@ -20,7 +20,7 @@ Two sources, joined by :func:`explain`:
 
   Open MPI wraps its messages over lines, so the scanner matches a sliding window of the last
   few lines with whitespace collapsed.
-* **The ranks' own records** (:mod:`ftkit.launch.fatal`): the exception a rank died of, or
+* **The ranks' own records** (:mod:`ftkit.jobdir.fatal`): the exception a rank died of, or
   why it gave up on a dead or hung peer.
 
 The result maps each failed rank to a predicate ("killed by SIGKILL on node n3",
@@ -38,7 +38,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any, TextIO
 
-from ftkit.launch.fatal import ABORTED, first_line
+from ftkit.jobdir.fatal import ABORTED, first_line
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class StderrTee(threading.Thread):
 
 def load_failure(error: str | None, progressed: bool, failed: Mapping[int, str]
                  ) -> dict[str, Any] | None:
-    """A fatal record (:mod:`ftkit.launch.fatal`'s shape) for a failed attempt in which a rank
+    """A fatal record (:mod:`ftkit.jobdir.fatal`'s shape) for a failed attempt in which a rank
     printed ``error`` (:attr:`LauncherScan.load_error`) before the job wrote any event
     (``progressed`` False): the script cannot even be loaded, and a relaunch would fail the
     same way. The rank is the first of ``failed`` (the launcher names who aborted). None

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ftkit.storage.local import write_record
+from ftkit.fs import write_record
 
 log = logging.getLogger(__name__)
 #: bytes of blanks in the placeholder: room for the record when the PFS has none left

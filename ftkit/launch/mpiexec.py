@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ftkit.errors import LaunchError
+from ftkit.jobdir.env import SPARES_ENV
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ _PLACEMENT_OPTS = frozenset({"--host", "-host", "-H", "--hostfile", "-hostfile",
 #: Open MPI 5's fault-tolerant mode (ULFM) for in-job recovery; its shared-memory transport
 #: hangs survivors of a failed process, TCP does not
 ULFM_ARGS = ("--with-ft", "ulfm", "--mca", "btl", "tcp,self")
-#: the number of spare processes of an in-job run (read by ftkit.injob.resilient)
-SPARES_ENV = "FTKIT_SPARE_RANKS"
 _PYTHON_NAME = re.compile(r"python[0-9.]*t?")
 #: Interpreter options that take a separate argument (``-W error``, ``-X dev``).
 _OPTS_WITH_ARG = frozenset("WX")

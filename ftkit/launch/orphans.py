@@ -6,7 +6,7 @@ the whole attempt; that also means the launcher gets no hang-up when ``ftkit run
 the launcher and its ranks training and committing, holding the job's node-local locks, with
 nobody watching. Two guards:
 
-* :func:`die_with` — the launcher is started with a *parent-death signal* (Linux
+* :func:`ftkit.jobdir.deathsig.die_with` — the launcher is started with a *parent-death signal* (Linux
   ``PR_SET_PDEATHSIG``): when ``ftkit run`` dies, the kernel sends the launcher SIGTERM, and
   ``mpiexec`` ends its ranks as it does on any SIGTERM.
 * :func:`wait_for_orphans` — before its first attempt, ``ftkit run`` looks at the job's
@@ -16,13 +16,10 @@ nobody watching. Two guards:
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
-import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,36 +29,9 @@ from ftkit.joblock import LOCK_FILE, describe, held_by, may_take_over
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 #: seconds ``ftkit run`` waits for the ranks of a dead predecessor to end
 ORPHAN_GRACE = 30.0
 _POLL = 0.2
-
-
-def _prctl() -> Callable[..., int] | None:
-    """libc's ``prctl`` (looked up before any fork), or None off Linux."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name, use_errno=True).prctl if name else None
-    except (OSError, AttributeError):
-        return None
-    return fn  # type: ignore[no-any-return]
-
-
-def die_with(parent: int, signum: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for the launcher: the kernel sends it ``signum`` when process
-    ``parent`` (``ftkit run``, which must call this from the thread that starts the launcher
-    and lives as long as it) dies; a parent already gone before the call ends it at once.
-    None where the platform has no parent-death signal."""
-    prctl = _prctl()
-    if prctl is None:
-        return None
-
-    def arm() -> None:                   # runs in the child, between fork and exec
-        prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-        if os.getppid() != parent:       # died before the signal was armed
-            os.kill(os.getpid(), signum)
-    return arm
 
 
 def this_host_job_dir(cfg: Config) -> Path:

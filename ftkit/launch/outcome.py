@@ -9,8 +9,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from ftkit.jobdir.fatal import first_line
 from ftkit.launch.failures import signame, summary
-from ftkit.launch.fatal import first_line
 
 TIMEOUT_STATUS = 124
 NOT_RETRIED_STATUS = 3              # a rank raised an error that a relaunch would hit again
@@ -36,7 +36,7 @@ class AttemptResult:
     reason: str
     status: int
     interrupted: int | None = None       # signal number received by ftkit run, if any
-    fatal: dict[str, Any] | None = None  # see ftkit.launch.fatal
+    fatal: dict[str, Any] | None = None  # see ftkit.jobdir.fatal
     resumed: int | None = None           # the step the attempt restored (events.jsonl)
     failed: dict[int, str] = dataclasses.field(default_factory=dict)   # rank -> how it failed
 

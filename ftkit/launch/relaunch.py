@@ -19,7 +19,7 @@ Errors that a relaunch would hit again (a bad configuration, checkpoints that ca
 state that does not match the checkpoint: :attr:`ftkit.errors.FtkitError.recurs`) are not
 retried: every attempt gets a fresh, empty ``$FTKIT_FATAL_DIR``
 (``$FTKIT_PFS_DIR/<job>/attempt-<k>.fatal/``, removed afterwards) where a rank that raises one
-leaves a record (:mod:`ftkit.launch.fatal`); after a failed attempt with a record the loop stops
+leaves a record (:mod:`ftkit.jobdir.fatal`); after a failed attempt with a record the loop stops
 with :data:`NOT_RETRIED_STATUS`, whatever restarts are left.
 
 Every attempt resumes from the newest committed step (``FTKIT_START=resume``) except attempt 0
@@ -52,6 +52,9 @@ from typing import Any, Protocol, TextIO
 from ftkit.config import Config
 from ftkit.errors import LaunchError
 from ftkit.events import append_event, restored_step
+from ftkit.jobdir.deathsig import die_with
+from ftkit.jobdir.fatal import FATAL_DIR_ENV, first_recurring, read_records
+from ftkit.jobdir.identity import LAUNCH_ID_ENV, new_run_id
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.failures import (
@@ -61,17 +64,15 @@ from ftkit.launch.failures import (
     lost_daemons_reason,
     signame,
 )
-from ftkit.launch.fatal import FATAL_DIR_ENV, first_recurring, read_records
 from ftkit.launch.jobs import TIDY_ENV, end_line
 from ftkit.launch.mpiexec import MpiexecLauncher
-from ftkit.launch.orphans import die_with, this_host_job_dir, wait_for_orphans
+from ftkit.launch.orphans import this_host_job_dir, wait_for_orphans
 from ftkit.launch.outcome import (
     AttemptResult,
     attempt_line,
     judge,
     restart_delay,
 )
-from ftkit.recovery.identity import LAUNCH_ID_ENV, new_run_id
 
 log = logging.getLogger(__name__)
 

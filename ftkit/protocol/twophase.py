@@ -20,8 +20,8 @@ from ftkit.capture.flatten import TensorLeaf
 from ftkit.capture.staging import Staging, TornSnapshotError
 from ftkit.comm.dist import DistComm, describe
 from ftkit.errors import CheckpointError, ProtocolTimeout
+from ftkit.faults import Faults
 from ftkit.storage.level import Level
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 COORDINATOR = 0

@@ -24,8 +24,8 @@ from ftkit.comm.dist import DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import Config
 from ftkit.errors import ConfigError, JobLockedError
+from ftkit.jobdir import identity
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
-from ftkit.recovery import identity
 from ftkit.storage.private import remove_entry
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class JobClaim:
         self._locks.append(lock)
 
     def _agree_run_id(self) -> str:
-        """Rank 0 reads or makes the run identity (:mod:`ftkit.recovery.identity`), every
+        """Rank 0 reads or makes the run identity (:mod:`ftkit.jobdir.identity`), every
         rank receives it; ConfigError everywhere when it cannot. All ranks call."""
         got: dict[str, str] = {}
         if self.topo.rank == 0:

@@ -10,9 +10,9 @@ import logging
 from collections.abc import Sequence
 
 from ftkit.comm.dist import DistComm
+from ftkit.faults import Faults
 from ftkit.recovery.plan import Plan, Report, one_line, parity_ok
 from ftkit.storage.levels import Levels
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 

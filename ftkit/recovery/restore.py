@@ -34,12 +34,12 @@ from ftkit.errors import (
     StateMismatchError,
     UnrecoverableError,
 )
+from ftkit.faults import Faults
 from ftkit.recovery import rebuild
 from ftkit.recovery.plan import make_plan, one_line
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, leaves_of
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 

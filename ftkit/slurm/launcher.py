@@ -15,7 +15,7 @@ slot map is kept in ``$FTKIT_PFS_DIR/<job>/slurm-slots.json`` so a
 requeued job puts slots back on the nodes that still hold their data.
 
 The relaunch loop itself is :func:`ftkit.launch.relaunch.run_job`, shared with plain mpiexec:
-an attempt whose ranks recorded an error that would recur (:mod:`ftkit.launch.fatal`) ends the
+an attempt whose ranks recorded an error that would recur (:mod:`ftkit.jobdir.fatal`) ends the
 run before :meth:`SlurmLauncher.after_failure` is asked, so no spare is taken and the job is
 not requeued for it.
 
@@ -34,7 +34,9 @@ from pathlib import Path
 
 from ftkit.errors import LaunchError
 from ftkit.events import read_events
-from ftkit.launch.mpiexec import SPARES_ENV, ULFM_ARGS, MpiexecLauncher, build_command, launch_env
+from ftkit.fs import write_text_atomic
+from ftkit.jobdir.env import SPARES_ENV
+from ftkit.launch.mpiexec import ULFM_ARGS, MpiexecLauncher, build_command, launch_env
 from ftkit.slurm.env import SlurmEnv, compress_hostlist
 from ftkit.slurm.health import SlurmTools
 
@@ -198,7 +200,5 @@ class SlurmLauncher:
 
     def _save(self) -> None:
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"slots": self.slots, "failed": self.failed,
-                                   "per_node": self.per_node}, indent=1))
-        tmp.replace(self.state_file)
+        write_text_atomic(self.state_file, json.dumps(
+            {"slots": self.slots, "failed": self.failed, "per_node": self.per_node}, indent=1))

@@ -7,11 +7,11 @@ from ftkit.comm.dist import DistComm
 from ftkit.comm.placement import set_of
 from ftkit.comm.topology import Topology
 from ftkit.config import Config
+from ftkit.faults import Faults
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy.erasure import ErasureLevel
 from ftkit.storage.redundancy.partner import PartnerLevel
-from ftkit.testing.faults import Faults
 
 
 @dataclasses.dataclass

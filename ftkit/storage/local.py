@@ -26,6 +26,8 @@ import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
+from ftkit.faults import Faults
+from ftkit.fs import fsync_dir, write_record
 from ftkit.storage.level import Level
 from ftkit.storage.private import (
     check_private_dir,
@@ -36,10 +38,9 @@ from ftkit.storage.private import (
     read_file,
     remove_entry,
 )
-from ftkit.storage.shard import Shard, fsync_dir, write_atomic, write_shard
+from ftkit.storage.shard import Shard, write_shard
 from ftkit.storage.slots import Reservation, Slots
 from ftkit.storage.stepnames import PARKED, STEP, step_name, step_number
-from ftkit.testing.faults import Faults
 
 if TYPE_CHECKING:
     from ftkit.config import Config
@@ -57,11 +58,6 @@ def make_private_dir(path: Path) -> None:
         raise NotADirectoryError(f"{path} exists and is not a directory")
     if path.stat().st_mode & 0o077:
         os.chmod(path, 0o700)
-
-
-def write_record(path: Path, record: dict[str, Any]) -> None:
-    """Durably write a small JSON record (temp file, fsync, rename, fsync dir)."""
-    write_atomic(path, [json.dumps(record).encode()])
 
 
 class LocalLevel(Level):

@@ -10,7 +10,7 @@ or as a symbolic link to one, and then read, redirect or hide the job's checkpoi
   (``mkdir``, then ``lstat`` of whatever is there: no race). Anything else is refused with
   :class:`~ftkit.errors.UnsafeLocalDirError`, which names the path, owner, mode and the fix;
 * files are created only under a fresh name with ``O_CREAT | O_EXCL | O_NOFOLLOW``
-  (:func:`create_new`, :func:`ftkit.storage.shard.create_temp`), never through a name that
+  (:func:`create_new`, :func:`ftkit.fs.create_temp`), never through a name that
   already exists; files are read only when they are regular files (``lstat``,
   ``O_NOFOLLOW``), never through a symbolic link;
 * removal never follows a symbolic link (:func:`remove_entry`).
@@ -28,7 +28,7 @@ import stat
 from pathlib import Path
 
 from ftkit.errors import UnsafeLocalDirError
-from ftkit.storage.shard import fsync_dir
+from ftkit.fs import fsync_dir
 
 log = logging.getLogger(__name__)
 

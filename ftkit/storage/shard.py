@@ -20,14 +20,11 @@ so a shard either exists complete or not at all; reads are memory-mapped.
 """
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
 import re
-import stat
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, Self
@@ -48,6 +45,7 @@ from ftkit.capture.flatten import (
     torch_dtype,
 )
 from ftkit.errors import CorruptCheckpointError
+from ftkit.fs import open_regular, write_atomic
 
 MAGIC = b"FTKSHRD\0"
 VERSION = 1
@@ -136,63 +134,6 @@ def write_shard(path: Path, meta: dict[str, Any], tree: Any, leaves: list[Tensor
             yield memoryview(buf).cast("B")  # type: ignore[arg-type]
             pos = off + buf.nbytes
     return write_atomic(path, pieces())
-
-
-def write_atomic(path: Path, pieces: Iterable[Any]) -> int:
-    """Write ``pieces`` (buffers) to ``path`` atomically: a new private temp file in the
-    same directory (:func:`create_temp`), fsync, rename, fsync of the directory. Returns the
-    bytes written; on error the temp file is removed and ``path`` is untouched. The rename
-    replaces whatever ``path`` names, a symbolic link included, and never writes through it."""
-    fd, tmp = create_temp(path)
-    try:
-        size = sum(_write_all(fd, piece) for piece in pieces)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    rename_into_place(tmp, path)
-    return size
-
-
-def rename_into_place(tmp: Path, path: Path) -> None:
-    """Rename the complete temp file ``tmp`` over ``path`` and fsync the directory; on
-    error ``tmp`` is removed and ``path`` is untouched."""
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def create_temp(path: Path) -> tuple[int, Path]:
-    """Create the temp file of an atomic write of ``path``: a new name
-    ``.<name>.<random>.tmp`` in the same directory, mode 0600, opened with
-    ``O_CREAT | O_EXCL | O_NOFOLLOW`` (``tempfile.mkstemp``), so an entry that already has
-    the name (a leftover, a planted symbolic link) is never opened or written through.
-    Returns the open descriptor and the temp path."""
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    return fd, Path(name)
-
-
-def _write_all(fd: int, data: Any) -> int:
-    view = memoryview(data)
-    done = 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
-    passes.count("write", done)
-    return done
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 XXH3 = "xxh3-64:"
@@ -345,37 +286,6 @@ def _spans(spans: list[Span], hend: int, size: int) -> list[Span]:
                                    f"of the {size}-byte file (truncated?)")
         end, last = stop, f"tensor {name}"
     return spans
-
-
-def open_regular(path: Path, *, rank: int | None = None, step: int | None = None,
-                 level: str = "local") -> int:
-    """A read-only descriptor of the regular file ``path``: opened with ``O_NOFOLLOW |
-    O_NONBLOCK`` (a symbolic link is never followed, a FIFO never blocks) and checked with
-    ``fstat``. Raises CorruptCheckpointError naming the file (and ``rank``, ``step``,
-    ``level``) for a link or anything else that is not a regular file; OSError otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and os.path.islink(path):
-            raise CorruptCheckpointError(
-                str(path), f"is a symbolic link to {_link_target(path)}; ftkit does not "
-                f"follow it", rank=rank, step=step, level=level) from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptCheckpointError(str(path), "not a regular file", rank=rank,
-                                         step=step, level=level)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _link_target(path: Path) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return "?"
 
 
 class Landing(Protocol):

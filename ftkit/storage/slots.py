@@ -49,15 +49,9 @@ import xxhash
 
 from ftkit import passes
 from ftkit.capture.flatten import TensorLeaf
+from ftkit.fs import rename_into_place
 from ftkit.storage.private import ensure_private_dir
-from ftkit.storage.shard import (
-    READ_CHUNK,
-    XXH3,
-    checksum,
-    layout,
-    preamble,
-    rename_into_place,
-)
+from ftkit.storage.shard import READ_CHUNK, XXH3, checksum, layout, preamble
 
 log = logging.getLogger(__name__)
 #: directory of the slots, under the node directory (not a step directory)

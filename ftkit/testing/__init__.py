@@ -1,1 +1,1 @@
-"""Test support: fault injection (FTKIT_FAULTS) and helpers for launching real jobs."""
+"""Test support: finding a running job's rank processes from outside (tests, benchmarks)."""

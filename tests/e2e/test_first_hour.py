@@ -53,8 +53,9 @@ def test_defaults_on_one_machine_and_one_job_per_run(tmp_path: Path) -> None:
     third, err, starts, attempt = _run(tmp_path, 9, "--resume")
     assert third == second and f"job {second} (continuing it)" in err, err
     assert starts == [6] and "succeeded" in attempt and "(resumed at step 6)" in attempt
-    # step 6 is only node-local (pfs:50): kept, and the run says so
-    assert (tmp_path / "local" / first).is_dir()
+    # step 6 was not due at pfs:50, but close() flushed the final step: on the PFS, so the
+    # first job's node-local copies were removed (and the third run resumed from the PFS)
+    assert not (tmp_path / "local" / first).exists()
 
 
 ENTRIES = ("ftkit.init_torch_distributed(MPI.COMM_WORLD)",
@@ -109,7 +110,8 @@ def test_a_finished_job_leaves_no_node_local_copies(
         tmp_path: Path, reference_digest: Callable[..., str]) -> None:
     """A named job (FTKIT_JOB=e2e), 4 ranks on 2 nodes: step 6 is on the PFS at the end, so
     both nodes remove their copies; continuing it restores step 6 from the PFS, bit-exact, and
-    ends at step 9, which is not on the PFS (pfs:4): kept, and said; --keep-local keeps."""
+    ends at step 9, which is not due at pfs:4 but flushed by ``close()``: removed too, and
+    said; --keep-local keeps."""
     res = run_toy(tmp_path, steps=6, max_restarts=0, keep_local=False,
                   FTKIT_LEVELS="local:1,partner:1,pfs:3")
     assert res.rc == 0, res.tail()
@@ -121,9 +123,10 @@ def test_a_finished_job_leaves_no_node_local_copies(
     assert res.rc == 0, res.tail()
     assert res.starts[0]["step"] == 6 and "from the PFS level" in res.stderr, res.tail()
     assert res.done["digest"] == reference_digest(4, 9)
-    assert "node-local copies of job e2e kept under" in res.stdout, res.tail()
-    assert "step 9 is not on the PFS" in res.stdout
-    assert sorted(p.name for p in (res.local / "node-0").glob("step-*")) == ["step-8", "step-9"]
+    assert ("ftkit run: removed the node-local copies of job e2e on every node (step 9 is on "
+            "the PFS") in res.stdout, res.tail()
+    assert [e["step"] for e in res.events() if e["event"] == "flush"][-2:] == [8, 9]
+    assert not res.local.exists()
     res = run_toy(tmp_path, steps=12, max_restarts=0, FTKIT_LEVELS="local:1,partner:1,pfs:3")
     assert res.rc == 0 and res.starts[0]["step"] == 9, res.tail()
     assert "removed" not in res.stdout and (res.local / "node-1" / "step-12").is_dir()

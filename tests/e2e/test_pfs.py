@@ -140,7 +140,7 @@ def test_newer_pfs_step_wins_over_older_local_step(
         tmp_path: Path, reference_digest: Callable[..., str]) -> None:
     """Local step 6 of rank 1 is corrupted, so the local levels can only offer step 5; the
     PFS holds step 6 intact: restore takes the newest, step 6, from the PFS."""
-    from ftkit.testing.faults import flip_byte
+    from ftkit.faults import flip_byte
     first = run_toy(tmp_path, steps=6, max_restarts=0, FTKIT_LEVELS=LEVELS)
     assert first.rc == 0, first.tail()
     flip_byte(first.local / "node-0" / "step-6" / "rank-1.ftk")
@@ -159,6 +159,8 @@ def test_reshard_in_place_keeps_local_retention(tmp_path: Path) -> None:
     (only the newest versions stay, nothing of the old world is left)."""
     saved = run_toy(tmp_path, steps=7, max_restarts=0, FTKIT_LEVELS=LEVELS)
     assert saved.rc == 0, saved.tail()
+    # as if the job had been killed before close() flushed its final step 7 to the PFS
+    shutil.rmtree(saved.pfs / "e2e" / "step-7")
     res = run_toy(tmp_path, n=2, ranks_per_node=1, steps=10, max_restarts=0,
                   FTKIT_LEVELS=LEVELS)
     assert res.rc == 0, res.tail()

@@ -19,9 +19,9 @@ import pytest
 import xxhash
 
 from ftkit import Checkpointer, Config
+from ftkit.faults import flip_byte
 from ftkit.recovery import restore as recovery
 from ftkit.storage.shard import MAGIC, VERSION
-from ftkit.testing.faults import flip_byte
 
 from .mpi_helpers import (
     RANK,

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from ftkit import Checkpointer, Config
-from ftkit.testing.faults import flip_byte
+from ftkit.faults import flip_byte
 
 from .mpi_helpers import (
     RANK,

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ftkit import Checkpointer, Config, StateMismatchError, UnrecoverableError
+from ftkit.faults import flip_byte
 from ftkit.storage.shard import Shard
-from ftkit.testing.faults import flip_byte
 
 from .mpi_helpers import (
     RANK,

@@ -17,13 +17,13 @@ import pytest
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import ProtocolTimeout
+from ftkit.faults import Faults
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import transfer
 from ftkit.storage.redundancy.erasure import ErasureLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard, write_shard
 from ftkit.storage.slots import Slots
-from ftkit.testing.faults import Faults
 
 from .conftest import FtkitEnv
 from .mpi_helpers import RANK, SIZE, WORLD, allgather, catch

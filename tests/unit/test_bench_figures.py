@@ -89,16 +89,16 @@ def test_missing_parts_are_skipped() -> None:
     assert figs["save[local, 64 MiB]"]["ratio"] is None
 
 
-def test_readme_table_matches_the_committed_run() -> None:
-    """The README's Performance table is exactly the table of bench/results/run.json."""
+def test_performance_tables_match_the_committed_run() -> None:
+    """docs/performance.md's tables are exactly those of bench/results/run.json."""
     import json
     root = Path(__file__).resolve().parents[2]
     run = json.loads((root / "bench" / "results" / "run.json").read_text())
     table = _figures.markdown(run["figures"])
-    readme = (root / "README.md").read_text()
-    assert table in readme, table
+    doc = (root / "docs" / "performance.md").read_text()
+    assert table in doc, table
     costs = _figures.costs_markdown(run["parts"]["levels"])
-    assert costs and costs in readme, costs
+    assert costs and costs in doc, costs
     assert run["mode"] in ("quick", "full") and run["machine"]["cores"] >= 1
 
 

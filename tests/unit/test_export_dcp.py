@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from ftkit.capture.flatten import RESERVED
 from ftkit.cli.main import main
 from ftkit.cli.scan import ExportError
 from ftkit.cli.torchfmt import nest
@@ -74,3 +75,37 @@ def test_nest_splits_at_slashes_and_refuses_a_tensor_that_is_a_prefix() -> None:
     for flat in ({"a/b": t, "a/b/c": t}, {"a/b/c": t, "a/b": t}):
         with pytest.raises(ExportError, match="'a/b"):
             nest(flat)
+
+
+class _DDPLike:
+    """What a DistributedDataParallel saves: its module's state dict under ``module.``, and
+    the bucket layout ftkit keeps beside it (capture/ddp.py)."""
+
+    def __init__(self, net: Any) -> None:
+        self.net = net
+
+    def state_dict(self) -> dict[str, Any]:
+        return {RESERVED: {"ddp_buckets": torch.full((2, 4), -1, dtype=torch.int64)},
+                **{f"module.{k}": v for k, v in self.net.state_dict().items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+def test_a_ddp_is_exported_under_the_unwrapped_models_keys(tmp_path: Path) -> None:
+    """The README's ``dcp.load({"model": model.state_dict()})`` into an unwrapped model
+    works with a step saved from a DDP: ``module.`` is cut, ftkit's layout is left out."""
+    from tests.unit.test_hdf5_meta import write_step
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    step_dir = tmp_path / "job" / "step-1"
+    write_step(step_dir, [{"model": _DDPLike(net)}])
+    out = tmp_path / "dcp"
+    assert main(["export", str(step_dir), "--out", str(out), "--format", "dcp"]) == 0
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=str(out), no_dist=True)
+    fresh.load_state_dict(state["model"])
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), fresh.parameters()))
+    keys = set(dcp.FileSystemReader(str(out)).read_metadata().state_dict_metadata)
+    assert keys == {f"model.{k}" for k in net.state_dict()}

@@ -3,7 +3,7 @@
 The launcher texts are what Open MPI 5's ``prterun`` and Slurm's ``srun`` print (the Open MPI
 ones captured from real runs on this machine: a rank SIGKILLed, one calling ``MPI_Abort(5)``,
 one exiting with status 3, one segfaulting); the tee runs a real pipe; the records are written
-by :func:`ftkit.launch.fatal.record_death` as the abort hooks and the Checkpointer write them.
+by :func:`ftkit.jobdir.fatal.record_death` as the abort hooks and the Checkpointer write them.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from ftkit.comm.dist import lost_peer
 from ftkit.errors import ConfigError
+from ftkit.jobdir.fatal import FATAL_DIR_ENV, read_fatal, read_records, record_death
 from ftkit.launch.failures import (
     LauncherScan,
     StderrTee,
@@ -26,7 +27,6 @@ from ftkit.launch.failures import (
     scan,
     summary,
 )
-from ftkit.launch.fatal import FATAL_DIR_ENV, read_fatal, read_records, record_death
 from ftkit.launch.outcome import attempt_line, judge
 
 OMPI_KILLED = """\

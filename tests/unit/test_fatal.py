@@ -1,4 +1,4 @@
-"""ftkit.launch.fatal: the per-rank record of an error that a relaunch would hit again.
+"""ftkit.jobdir.fatal: the per-rank record of an error that a relaunch would hit again.
 
 The ranks write it (``Config.load``, ``Topology.create``, the Checkpointer) into
 ``$FTKIT_FATAL_DIR``; ``ftkit run`` reads it after a failed attempt and stops relaunching.
@@ -22,7 +22,7 @@ from ftkit.errors import (
     StateMismatchError,
     UnrecoverableError,
 )
-from ftkit.launch.fatal import FATAL_DIR_ENV, env_rank, read_fatal, record_fatal
+from ftkit.jobdir.fatal import FATAL_DIR_ENV, env_rank, read_fatal, record_fatal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_unwritable_dir_only_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(FATAL_DIR_ENV, str(blocker / "fatal"))
-    with caplog.at_level(logging.WARNING, logger="ftkit.launch.fatal"):
+    with caplog.at_level(logging.WARNING, logger="ftkit.jobdir.fatal"):
         record_fatal(ConfigError("bad"), 1)          # must not raise
     assert any(str(blocker / "fatal") in r.getMessage() and "rank 1" in r.getMessage()
                for r in caplog.records), caplog.text
@@ -156,7 +156,7 @@ def test_config_load_that_succeeds_records_nothing(fatal_dir: Path) -> None:
 
 
 def test_module_imports_neither_mpi4py_nor_torch() -> None:
-    code = ("import sys, ftkit.launch.fatal; "
+    code = ("import sys, ftkit.jobdir.fatal; "
             "bad = {'mpi4py', 'torch'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                    env=dict(os.environ, PYTHONPATH=str(REPO)))

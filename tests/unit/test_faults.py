@@ -1,4 +1,4 @@
-"""ftkit.testing.faults: FTKIT_FAULTS parsing (docs/protocol.md) and injection."""
+"""ftkit.faults: FTKIT_FAULTS parsing (docs/protocol.md) and injection."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from ftkit import faults as faults_mod
 from ftkit.errors import ConfigError, InjectedFault
-from ftkit.testing import faults as faults_mod
-from ftkit.testing.faults import Fault, Faults, flip_byte, parse_faults
+from ftkit.faults import Fault, Faults, flip_byte, parse_faults
 
 SPEC_EXAMPLE = "kill:rank=3:step=7:phase=encode;corrupt:rank=1:step=9:level=local"
 
@@ -186,7 +186,7 @@ def test_node_fault_wipes_dir_and_kills(tmp_path: Path,
 def _run_fault(spec: str, phase: str = "encode", step: int = 7,
                attempt: int = 0) -> subprocess.CompletedProcess[str]:
     code = textwrap.dedent(f"""
-        from ftkit.testing.faults import Faults
+        from ftkit.faults import Faults
         f = Faults({spec!r}, rank=3, node=0, attempt={attempt})
         f.fire({phase!r}, {step})
         print("survived")

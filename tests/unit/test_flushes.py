@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from ftkit.comm import flag
 from ftkit.errors import ProtocolTimeout
 from ftkit.flushes import Flushes
-from ftkit.injob import flag
 
 
 class _Early:

@@ -17,8 +17,8 @@ import pytest
 from ftkit.capture.flatten import flatten
 from ftkit.capture.staging import Stager
 from ftkit.events import append_event, mark_progress, read_events
+from ftkit.jobdir import identity
 from ftkit.launch import marker
-from ftkit.recovery import identity
 from ftkit.storage.pfs import hdf5
 from ftkit.storage.shard import Shard, write_shard
 from tests.mounts import fill, free_bytes, tmpfs

@@ -30,9 +30,9 @@ from ftkit.capture.shards import describe
 from ftkit.capture.staging import Stager
 from ftkit.cli.main import main
 from ftkit.errors import CheckpointError, CorruptCheckpointError
+from ftkit.faults import flip_byte
 from ftkit.storage.pfs import h5files, h5read, h5shared, hdf5
 from ftkit.storage.shard import Shard, write_shard
-from ftkit.testing.faults import flip_byte
 
 
 def write_step(step_dir: Path, states: list[dict[str, Any]], *, tp: int = 1, pp: int = 1,

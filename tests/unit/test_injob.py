@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from ftkit.comm import flag
 from ftkit.errors import ConfigError, LaunchError
-from ftkit.injob import flag, sockets
+from ftkit.injob import sockets
 from ftkit.injob.deadline import Deadline
 from ftkit.injob.membership import NotEnoughSpares, assign
 from ftkit.injob.resilient import spare_ranks, who

@@ -508,7 +508,7 @@ def test_signal_is_forwarded_and_stops_relaunching(job: Path, fake: str, tmp_pat
 _RECORD = """
 import os, sys
 from ftkit.errors import ConfigError
-from ftkit.launch.fatal import record_fatal
+from ftkit.jobdir.fatal import record_fatal
 if os.environ["FTKIT_ATTEMPT"] in sys.argv[1].split(","):
     record_fatal(ConfigError("FTKIT_LEVELS: unknown level 'bogus' in 'bogus:1'\\nsecond line"), 1)
 """

@@ -26,10 +26,10 @@ import pytest
 
 from ftkit.config import Config
 from ftkit.errors import ConfigError, CorruptCheckpointError
-from ftkit.launch.fatal import recurs
-from ftkit.storage.local import COMMITTED, LocalLevel, write_record
-from ftkit.storage.shard import write_atomic
-from ftkit.testing.faults import Faults
+from ftkit.faults import Faults
+from ftkit.fs import write_atomic, write_record
+from ftkit.jobdir.fatal import recurs
+from ftkit.storage.local import COMMITTED, LocalLevel
 from tests.unit.test_local_level import _commit, _level, _load, _write
 
 NOBODY = 65534

@@ -17,11 +17,12 @@ import torch
 from ftkit.capture.flatten import flatten, leaf_from_bytes, unflatten
 from ftkit.capture.staging import Stager
 from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import Faults
+from ftkit.fs import write_record
 from ftkit.storage import slots
 from ftkit.storage.level import Level
-from ftkit.storage.local import COMMITTED, LocalLevel, make_private_dir, write_record
+from ftkit.storage.local import COMMITTED, LocalLevel, make_private_dir
 from ftkit.storage.shard import leaves_of
-from ftkit.testing.faults import Faults
 
 WORLD = 4
 
@@ -382,7 +383,7 @@ def test_commit_record_that_fails_after_its_rename_does_not_survive(
         calls.append(path)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr("ftkit.storage.shard.fsync_dir", failing_dir_sync)
+    monkeypatch.setattr("ftkit.fs.fsync_dir", failing_dir_sync)
     with pytest.raises(OSError):
         level.record_commit(1, {"step": 1, "world": WORLD})
     monkeypatch.undo()

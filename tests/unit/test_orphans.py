@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from ftkit.errors import JobLockedError
+from ftkit.jobdir.deathsig import die_with
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
-from ftkit.launch.orphans import die_with, held_locks, wait_for_orphans
+from ftkit.launch.orphans import held_locks, wait_for_orphans
 from ftkit.testing.procs import process_gone
 
 MIDDLE = """
 import subprocess, sys, os
-from ftkit.launch.orphans import die_with
+from ftkit.jobdir.deathsig import die_with
 child = subprocess.Popen(["sleep", "600"], start_new_session=True,
                          preexec_fn=die_with(os.getpid()))
 print(child.pid, flush=True)

@@ -15,11 +15,11 @@ import torch
 
 from ftkit.capture.flatten import flatten
 from ftkit.errors import CorruptCheckpointError, InjectedFault
+from ftkit.faults import Faults
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.pfs import early, hdf5
 from ftkit.storage.shard import Shard
 from ftkit.storage.slots import NotLanding, Reservation
-from ftkit.testing.faults import Faults
 
 TOPO = {"dp_idx": 0, "tp_idx": 0, "pp_idx": 0, "node": 0}
 

@@ -20,10 +20,10 @@ from ftkit.capture.flatten import flatten
 from ftkit.capture.landing import Abandoned, Gate, GatedLanding
 from ftkit.capture.staging import Stager
 from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import flip_byte
 from ftkit.recovery import pfs_restore
 from ftkit.storage.pfs import h5data, hdf5
 from ftkit.storage.shard import Shard, checksum, write_shard
-from ftkit.testing.faults import flip_byte
 from tests.unit.test_hdf5_hostile import _craft, _replace_dataset
 from tests.unit.test_hdf5_meta import _OneRank, _Pfs, _state, data_file, write_step
 

@@ -23,13 +23,13 @@ from mpi4py import MPI
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import Faults
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import transfer
 from ftkit.storage.redundancy.erasure import ErasureLevel
 from ftkit.storage.redundancy.partner import PartnerLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange, mapped
 from ftkit.storage.shard import Shard, checksum, write_shard
-from ftkit.testing.faults import Faults
 from tests.unit.test_transfer import STEP, make_shard
 
 BAIT = b"attacker's file, never to be changed"

@@ -18,10 +18,10 @@ from ftkit import passes
 from ftkit.capture.flatten import flatten
 from ftkit.capture.staging import Stager
 from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import Faults
 from ftkit.storage import slots
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, write_shard
-from ftkit.testing.faults import Faults
 
 WORLD = 2
 REPO = Path(__file__).resolve().parents[2]

@@ -415,7 +415,7 @@ if "marker" in step:
 if "fatal" in step:                      # a rank raising UnrecoverableError, as the ranks do
     sys.path.insert(0, step["fatal"]["repo"])
     from ftkit.errors import UnrecoverableError
-    from ftkit.launch.fatal import record_fatal
+    from ftkit.jobdir.fatal import record_fatal
     record_fatal(UnrecoverableError(step["fatal"]["message"]), step["fatal"]["rank"])
 sys.exit(step["rc"])
 """

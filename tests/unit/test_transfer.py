@@ -15,10 +15,10 @@ from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm import dist
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError, ProtocolTimeout
+from ftkit.faults import Faults
 from ftkit.storage.redundancy import erasure, gf256
 from ftkit.storage.redundancy.transfer import StreamCheck, Verify, exchange, recv_buffer
 from ftkit.storage.shard import READ_CHUNK, Shard, checksum, write_shard
-from ftkit.testing.faults import Faults
 
 STEP, OWNER = 5, 0
 

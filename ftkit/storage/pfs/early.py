@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from ftkit.faults import Faults
+from ftkit.fs import rename_into_place
 from ftkit.storage.pfs import hdf5
-from ftkit.storage.shard import layout, rename_into_place
+from ftkit.storage.shard import layout
 from ftkit.storage.slots import PLACEHOLDER, Reservation
-from ftkit.testing.faults import Faults
 
 #: the staging directory of early writes, under the job's PFS directory (no step directory)
 STAGING = ".early"

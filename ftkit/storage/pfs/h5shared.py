@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.comm.dist import DistComm
+from ftkit.fs import rename_into_place
 from ftkit.storage.pfs import h5files, hdf5
 from ftkit.storage.pfs.h5sink import H5Sink, named, reopen_direct
-from ftkit.storage.shard import Shard, fsync_dir
+from ftkit.storage.shard import Shard
 
 #: the name of the shared file in a step directory
 SHARED_FILE = h5files.SHARED_FILE
@@ -155,5 +156,4 @@ def fill_rank(path: Path, shard: Shard, offsets: list[int | None]) -> None:
 def publish(step_dir: Path, temp: str) -> None:
     """Rank 0, once every rank's :func:`write_shared_file` succeeded: rename the shared
     file from its temp name ``temp`` into place, durably (fsync of the directory)."""
-    os.replace(step_dir / temp, step_dir / SHARED_FILE)
-    fsync_dir(step_dir)
+    rename_into_place(step_dir / temp, step_dir / SHARED_FILE)

@@ -43,17 +43,10 @@ import xxhash
 from ftkit import passes
 from ftkit.capture.shards import ShardSpec, header_table
 from ftkit.errors import CorruptCheckpointError
+from ftkit.fs import create_temp, fsync_dir, rename_into_place, write_atomic
 from ftkit.storage.pfs import h5files
 from ftkit.storage.pfs.h5sink import H5Sink, write_new_file
-from ftkit.storage.shard import (
-    PAGE_MIN,
-    XXH3,
-    Shard,
-    checksum,
-    create_temp,
-    fsync_dir,
-    write_atomic,
-)
+from ftkit.storage.shard import PAGE_MIN, XXH3, Shard, checksum
 
 
 class ShardData(Protocol):
@@ -400,7 +393,7 @@ def corrupt_shard(shard: ShardData, t: dict[str, Any]) -> CorruptCheckpointError
 def write_temp(path: Path, fill: Callable[[Any, H5Sink], None]
                ) -> tuple[Path, dict[str, Any]]:
     """Create an HDF5 file under a new private temp name beside ``path``
-    (:func:`~ftkit.storage.shard.create_temp`): ``fill`` writes into it, its root is then
+    (:func:`~ftkit.fs.create_temp`): ``fill`` writes into it, its root is then
     sealed; fsync. Written through :mod:`ftkit.storage.pfs.h5sink`, so a full or failing file
     system raises here, inside the caller's error handling, and nothing of the temp file
     (which is removed) can fail later. Returns the temp path and the file digest (for
@@ -424,12 +417,7 @@ def _write_atomic(path: Path, fill: Callable[[Any, H5Sink], None]) -> dict[str, 
     """Create an HDF5 file at ``path`` atomically (:func:`write_temp`, rename, fsync of the
     directory). Returns the file digest."""
     tmp, digest = write_temp(path, fill)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    rename_into_place(tmp, path)
     return digest
 
 

@@ -45,18 +45,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ftkit._version import __version__
 from ftkit.comm.dist import DistComm
 from ftkit.comm.topology import Topology, coords_of
 from ftkit.config import Config
 from ftkit.errors import CheckpointError, ProtocolTimeout
+from ftkit.faults import Faults
+from ftkit.fs import fsync_dir
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.pfs import early, h5shared, hdf5
 from ftkit.storage.pfs.early import EarlyWrite
 from ftkit.storage.pfs.retention import Reaper, retract_steps
-from ftkit.storage.shard import Shard, fsync_dir
+from ftkit.storage.shard import Shard
 from ftkit.storage.slots import NotLanding, Reservation
 from ftkit.storage.stepnames import step_dirs, step_name
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -297,5 +299,4 @@ def io_allowance(dc: DistComm, topo: Topology, nbytes: int, phase: str, step: in
 
 
 def _version() -> str:
-    from ftkit import __version__
     return __version__

@@ -20,8 +20,8 @@ import shutil
 import threading
 from pathlib import Path
 
+from ftkit.fs import fsync_dir
 from ftkit.storage.pfs import hdf5
-from ftkit.storage.shard import fsync_dir
 from ftkit.storage.stepnames import step_dirs, step_name
 
 log = logging.getLogger("ftkit.storage.pfs.level")    # where retention logged before it moved

@@ -38,22 +38,15 @@ from ftkit.buffers import aligned_empty, aligned_zeros
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import Faults
+from ftkit.fs import write_atomic
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.redundancy.transfer import StreamCheck, mapped
-from ftkit.storage.shard import (
-    ALIGN,
-    READ_CHUNK,
-    XXH3,
-    Shard,
-    checksum,
-    write_atomic,
-    write_shard,
-)
+from ftkit.storage.shard import ALIGN, READ_CHUNK, XXH3, Shard, checksum, write_shard
 from ftkit.storage.slots import Reservation, Slots
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 #: bytes of a segment's fold (a multiple of 8; segments are multiples of ALIGN bytes)

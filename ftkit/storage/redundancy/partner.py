@@ -16,12 +16,12 @@ import numpy as np
 
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import Faults
 from ftkit.storage.level import Level
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard
 from ftkit.storage.slots import Slots
-from ftkit.testing.faults import Faults
 
 log = logging.getLogger(__name__)
 

@@ -33,16 +33,13 @@ from ftkit import passes
 from ftkit.buffers import aligned_empty
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
+from ftkit.fs import create_temp, open_regular, rename_into_place, write_all
 from ftkit.storage.shard import (
     _PREAMBLE,
     XXH3,
     Shard,
     ShardFormatError,
-    _write_all,
-    create_temp,
-    fsync_dir,
     header_length,
-    open_regular,
     parse_header,
 )
 from ftkit.storage.slots import Slots
@@ -253,7 +250,7 @@ class FileRecv:
     is published as ``path`` (a hard link, as for local shards). Without slots,
     or when none is free: chunks into two
     reused buffers (one receiving while the other is checked and written), then fsync and
-    rename. The temp file is a fresh private name (:func:`~ftkit.storage.shard.create_temp`),
+    rename. The temp file is a fresh private name (:func:`~ftkit.fs.create_temp`),
     so a planted ``.<name>.tmp`` link is never written through; it is removed on every
     failure (:meth:`abandon`). Writing through ``write(2)`` avoids a page fault per page of
     a freshly mapped file. With ``verify``, each chunk is checked by a :class:`StreamCheck` before it is
@@ -371,7 +368,7 @@ class FileRecv:
             return
         if self.slot is None:
             assert self._fd is not None
-            _write_all(self._fd, buf)
+            write_all(self._fd, buf)
 
     def pending(self) -> list[MPI.Request]:
         return [r for r in (self.size_req, self._pending[0] if self._pending else None)
@@ -394,9 +391,8 @@ class FileRecv:
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = None
-        os.replace(self.tmp, self.path)
-        self.tmp = None
-        fsync_dir(self.path.parent)
+        tmp, self.tmp = self.tmp, None
+        rename_into_place(tmp, self.path)
 
     def abandon(self) -> None:
         """Close and remove the temp file, if any (idempotent)."""

@@ -15,7 +15,7 @@ import secrets
 import time
 from pathlib import Path
 
-from ftkit.storage.local import write_record
+from ftkit.fs import write_record
 
 RUN_FILE = "RUN"
 LAUNCH_ID_ENV = "FTKIT_LAUNCH_ID"

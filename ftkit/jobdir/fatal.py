@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.errors import FtkitError
+from ftkit.fs import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,7 @@ def _write(rank: int, kind: str, message: str, recurring: bool,
             message = message[:MAX_MESSAGE] + " [...]"
         record = {"kind": kind, "message": message, "rank": rank, "recurs": recurring,
                   "host": socket.gethostname(), "time": round(time.time(), 6)}
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(record))
     except Exception as err:  # noqa: BLE001 - the error being reported matters more
         log.warning("rank %d: cannot write the record %s (%s: %s); ftkit run may not say "
                     "why the attempt failed, and may relaunch a job that will fail the same "
