@@ -184,7 +184,7 @@ def load_saved(obj: Any, saved: Any) -> None:
         return
     if _why_not(ddp) is not None:
         return
-    params = _params(ddp)
+    params, sparse = (list(x) for x in ddp._build_params_for_reducer())
     buckets = _buckets(value, params)
     if buckets is None:
         log.warning("the saved gradient-bucket layout of a DistributedDataParallel does not "
@@ -192,7 +192,7 @@ def load_saved(obj: Any, saved: Any) -> None:
                     "last bits)", len(params))
         return
     if buckets or ddp._has_rebuilt_buckets or ddp in _KNOWN:
-        install(ddp, buckets, params)
+        install(ddp, buckets, params, sparse)
 
 
 def _buckets(value: Any, params: list[Any]) -> list[list[int]] | None:
@@ -217,11 +217,12 @@ def _buckets(value: Any, params: list[Any]) -> list[list[int]] | None:
     return out
 
 
-def install(ddp: Any, buckets: list[list[int]], params: list[Any]) -> None:
+def install(ddp: Any, buckets: list[list[int]], params: list[Any], sparse: list[bool]
+            ) -> None:
     """Replace ``ddp``'s reducer with one of layout ``buckets`` ([]: DDP's initial layout),
-    as DDP's ``__setstate__`` builds one. Local: no collective."""
+    as DDP's ``__setstate__`` builds one; ``params, sparse``: what
+    ``ddp._build_params_for_reducer()`` returned. Local: no collective."""
     import torch.distributed as dist
-    sparse = ddp._build_params_for_reducer()[1]
     names = ddp._build_debug_param_to_name_mapping(params)
     first, cap = ddp._bucket_config.first_bucket_bytes_cap, ddp.bucket_bytes_cap
     limits = [first] + [cap] * (len(buckets) - 1)

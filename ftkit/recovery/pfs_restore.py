@@ -146,8 +146,7 @@ def _open(pfs: PfsLevel, step: int, state: Any, _progress: Callable[[int], None]
 def _check_loaders(meta: dict[str, Any], topo: Any, state: Any, step: int) -> None:
     """Refuse a DP change with a loader whose position is one rank's share of the data (its
     samples would be skipped or seen twice, silently). CheckpointError naming it. Local."""
-    world, tp, pp = int(meta["world"]), int(meta["tp"]), int(meta["pp"])
-    dp = world // (tp * pp)
+    world, dp = int(meta["world"]), reshard.saved_layout(meta)[0]
     path = loaders.split_by_dp(state) if dp != topo.dp else None
     if path is not None:
         raise CheckpointError(step, {}, message=(
