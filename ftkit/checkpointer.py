@@ -48,7 +48,6 @@ from ftkit.fs import write_record
 from ftkit.jobdir.fatal import record_death, record_fatal
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
-from ftkit.levelnames import IMPLEMENTED_LEVELS
 from ftkit.log import setup_rank_logging
 from ftkit.protocol.twophase import (
     CLOSING,
@@ -100,7 +99,6 @@ class Checkpointer:
         setup_rank_logging(topo.rank, config.log_level)
         if fitted and topo.rank == 0:
             log.warning("%s", fitted)
-        _check_levels(config)
         self.dc = DistComm(topo.comm, config.timeout)
         root = config.node_dir(topo.node, os.environ.get("SLURMD_NODENAME"))
         # a fault fires in an attempt's first in-job generation only: a spare that takes a
@@ -608,14 +606,6 @@ class Checkpointer:
         record_death(self.topo.rank, aborted=why)
         _flush_logs()
         MPI.COMM_WORLD.Abort(3)
-
-
-def _check_levels(config: Config) -> None:
-    todo = [name for name, _ in config.levels if name not in IMPLEMENTED_LEVELS]
-    if todo:
-        raise ConfigError(f"FTKIT_LEVELS: level(s) {', '.join(todo)} are not implemented in "
-                          f"ftkit {__version__} (implemented: {', '.join(IMPLEMENTED_LEVELS)}); "
-                          f"set e.g. FTKIT_LEVELS=local:1")
 
 
 def _stop_file_exists() -> bool:

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ftkit import levelnames
 from ftkit.errors import ConfigError
 from ftkit.faults import parse_faults
-from ftkit.levelnames import LEVEL_NAMES, REDUNDANCY_LEVELS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
@@ -50,9 +50,9 @@ def parse_levels(text: str) -> tuple[tuple[str, int], ...]:
         if not item:
             continue
         name, sep, every = item.partition(":")
-        if name not in LEVEL_NAMES:
+        if name not in levelnames.names():
             raise ConfigError(f"FTKIT_LEVELS: unknown level {name!r} in {text!r}; "
-                              f"valid levels: {', '.join(LEVEL_NAMES)}")
+                              f"valid levels: {', '.join(levelnames.names())}")
         try:
             interval = int(every) if sep else 1
         except ValueError:
@@ -147,7 +147,7 @@ class Config:
     def _check_schedule(self) -> None:
         """Redundancy levels encode the node-local shard: local must be due whenever they are."""
         every = dict(self.levels)
-        for name in (*REDUNDANCY_LEVELS, "pfs"):
+        for name in (*levelnames.redundancy(), levelnames.PFS):
             if name not in every:
                 continue
             if "local" not in every:
@@ -181,12 +181,12 @@ class Config:
     def levels_all(self) -> tuple[str, ...]:
         """Every configured level, in the order they are written."""
         names = {name for name, _ in self.levels}
-        return tuple(name for name in LEVEL_NAMES if name in names)
+        return tuple(name for name in levelnames.names() if name in names)
 
     def levels_due(self, step: int) -> tuple[str, ...]:
         """Levels whose interval divides ``step``, in the order they are written."""
         due = {name for name, every in self.levels if step % every == 0}
-        return tuple(name for name in LEVEL_NAMES if name in due)
+        return tuple(name for name in levelnames.names() if name in due)
 
     @property
     def job_local_dir(self) -> Path:

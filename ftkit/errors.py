@@ -121,3 +121,11 @@ class LaunchError(FtkitError):
 
 class InjectedFault(FtkitError):
     """Raised by the ``raise`` kind of fault injection (FTKIT_FAULTS)."""
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception as one short line: the reason a copy or a step is unusable. ftkit's own
+    errors already name file, rank and step; anything else is prefixed with its type."""
+    text = str(exc) if isinstance(exc, FtkitError) else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -24,16 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ftkit import levelnames
 from ftkit.errors import ConfigError, InjectedFault
-from ftkit.levelnames import IMPLEMENTED_LEVELS, LEVEL_NAMES
 
 if TYPE_CHECKING:
     import numpy as np
 
 log = logging.getLogger(__name__)
 
-#: levels whose ``corrupt`` fault strikes data received over MPI (corrupt_buffer)
-STREAM_LEVELS = ("partner", "xor", "rs")
 KINDS = ("kill", "exit", "raise", "hang", "corrupt", "node")
 PHASES = ("between", "capture", "write-local", "encode", "vote", "decide", "announce", "commit",
           "flush", "flush-early",
@@ -99,12 +97,9 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
         if phase is not None and phase not in PHASES:
             raise ConfigError(f"FTKIT_FAULTS: unknown phase {phase!r} in {part!r}; "
                               f"valid: {', '.join(PHASES)}")
-        if level is not None and level not in LEVEL_NAMES:
+        if level is not None and level not in levelnames.names():
             raise ConfigError(f"FTKIT_FAULTS: unknown level {level!r} in {part!r}; "
-                              f"valid: {', '.join(LEVEL_NAMES)}")
-        if level is not None and level not in IMPLEMENTED_LEVELS:
-            raise ConfigError(f"FTKIT_FAULTS: level {level!r} in {part!r} is not yet supported "
-                              f"(implemented: {', '.join(IMPLEMENTED_LEVELS)})")
+                              f"valid: {', '.join(levelnames.names())}")
         if kind == "corrupt" and level is None:
             fields["level"] = "local"
         if kind == "node" and fields.get("rank") is None and fields.get("node") is None:

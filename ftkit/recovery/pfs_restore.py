@@ -25,9 +25,8 @@ from ftkit.capture.landing import Gate, GatedLanding
 from ftkit.capture.rng import rank_local_indices
 from ftkit.capture.shards import cut_difference
 from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
-from ftkit.errors import CheckpointError, CorruptCheckpointError
+from ftkit.errors import CheckpointError, CorruptCheckpointError, one_line
 from ftkit.recovery import reshard
-from ftkit.recovery.plan import one_line
 from ftkit.recovery.reshard import Resharded
 from ftkit.recovery.restore import check_fits, load_agreed
 from ftkit.storage.pfs import h5read

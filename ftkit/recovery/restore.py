@@ -33,10 +33,11 @@ from ftkit.errors import (
     CorruptCheckpointError,
     StateMismatchError,
     UnrecoverableError,
+    one_line,
 )
 from ftkit.faults import Faults
 from ftkit.recovery import rebuild
-from ftkit.recovery.plan import make_plan, one_line
+from ftkit.recovery.plan import make_plan
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, leaves_of
@@ -141,8 +142,7 @@ def _plan_step(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[...,
         report = rebuild.local_report(levels, step, dc.size, found.levels_of[step],
                                       data=step in found.verify)
         reports = dc.allgather(report, "restore-discover", step)
-        plan = make_plan(step, reports, found.levels_of[step], levels.partners, levels.sets,
-                         levels.parity, found.nodes)
+        plan = make_plan(step, reports, found.levels_of[step], levels.covers(), found.nodes)
         if plan.ok and plan.lost:
             plan.unrecoverable = _try_rebuild(dc, levels, faults, plan, reports,
                                               found.levels_of[step], emit, found.nodes)
@@ -201,8 +201,6 @@ def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, report
                  step_levels: list[str], emit: Callable[..., None], nodes: list[str]
                  ) -> str | None:
     lost_nodes = sorted({nodes[r] for r in plan.lost})
-    how = ([f"partner copies for ranks {plan.from_partner}"] if plan.from_partner else []) + \
-        [f"{lv} parity for sets {sorted(per)}" for lv, per in plan.erasure.items()]
     t0 = time.monotonic()
     try:
         rebuild.execute(dc, levels, faults, plan, reports, step_levels)
@@ -211,10 +209,11 @@ def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, report
     seconds = round(time.monotonic() - t0, 6)
     if dc.rank == 0:
         log.warning("restore: step %d: rebuilt the shards of ranks %s (lost on %s) from %s",
-                    plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(how))
+                    plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(plan.how()))
     emit("rebuild", step=plan.step, ranks=plan.lost, nodes=lost_nodes,
          from_partner=plan.from_partner, seconds=seconds,
-         erasure={lv: {str(k): v for k, v in per.items()} for lv, per in plan.erasure.items()})
+         erasure={lv: {str(k): v for k, v in per.items()} for lv, per in plan.erasure.items()},
+         by_level=plan.parts)
     return None
 
 

@@ -11,18 +11,31 @@ Call order during one checkpoint of step ``s`` (docs/protocol.md); every level d
     commit(s, rec)            every rank, on "commit"     (phase commit)
     discard(s)                every rank, on "abort"      (phase commit)
 
-Redundancy levels (partner, xor, rs) read the node-local shard written by ``local`` and add
-copies or parity in the same node-local step directory; at restore they report what they
-hold intact and rebuild lost shards over MPI (see :mod:`ftkit.recovery.rebuild`).
+Redundancy levels (:class:`Redundancy`: partner, xor, rs) read the node-local shard written by
+``local`` and add copies or parity in the same node-local step directory. They have both
+halves: at restore each one *reports* what it holds intact, its :class:`Cover` *solves*
+which lost shards it can rebuild (pure, the same on every rank), and the level *rebuilds*
+them over MPI. :mod:`ftkit.recovery.plan` and :mod:`ftkit.recovery.rebuild` drive any level
+through these methods; :mod:`ftkit.storage.registry` says which levels exist.
 """
 from __future__ import annotations
 
 import abc
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
+from ftkit.errors import one_line
+
+if TYPE_CHECKING:
+    from ftkit.comm.dist import DistComm
+    from ftkit.comm.topology import Topology
+    from ftkit.config import Config
+    from ftkit.faults import Faults
+    from ftkit.storage.local import LocalLevel
 
 
 class Level(abc.ABC):
@@ -46,3 +59,86 @@ class Level(abc.ABC):
     @abc.abstractmethod
     def discard(self, step: int) -> None:
         """Drop this rank's tentative data of ``step`` (never a committed one). Every rank."""
+
+
+#: one rank's report of a step at restore: ``"own"`` (None when its shard is intact, else why)
+#: and, under each redundancy level's name, what that level holds (:meth:`Redundancy.held`)
+Report = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """What a redundancy level is built from (:mod:`ftkit.storage.registry`): the job's
+    topology and configuration, the job's communicator (a level splits or duplicates its
+    own), this rank's local level and the fault injection."""
+
+    topo: Topology
+    config: Config
+    dc: DistComm
+    local: LocalLevel
+    faults: Faults
+
+
+def ranks_text(ranks: Sequence[int], node_name: Sequence[str]) -> str:
+    """``rank(s) 2, 3 on node-1``: ranks and the nodes they run on, for a message."""
+    nodes = sorted({node_name[r] for r in ranks})
+    return f"rank(s) {', '.join(map(str, ranks))} on {', '.join(nodes)}"
+
+
+class Cover(abc.ABC):
+    """Which ranks' shards one redundancy level can rebuild: its placement over the whole job
+    (the same object on every rank) and the pure solver over every rank's report.
+
+    A *part* is what the level rebuilds in one recovery: for ``kind == "copy"`` a list of
+    ranks (whole copies sent back), for ``kind == "parity"`` ``{set id: [lost member
+    indices]}`` (decoded from a set's parity)."""
+
+    name: str = ""
+    kind: Literal["copy", "parity"] = "copy"
+
+    @abc.abstractmethod
+    def solve(self, reports: Sequence[Report], have: list[bool],
+              node_name: Sequence[str]) -> tuple[Any, list[str]]:
+        """The part of the lost shards (``have[r]`` False) this level rebuilds, marking them
+        in ``have``, and why it cannot rebuild others it covers (one line each; empty part:
+        falsy). Pure."""
+
+    @abc.abstractmethod
+    def rebuilt(self, part: Any) -> list[int]:
+        """The ranks whose shards ``part`` rebuilds."""
+
+
+class Redundancy(Level):
+    """A level that protects node-local shards on other nodes (both halves: encode at save,
+    report and rebuild at restore)."""
+
+    cover: Cover
+
+    @abc.abstractmethod
+    def held(self, step: int, world: int, *, data: bool = True) -> Any:
+        """What this rank holds of the level for ``step`` (its entry in the :data:`Report`);
+        without ``data`` only headers are read. Local."""
+
+    @abc.abstractmethod
+    def unusable(self, why: str) -> Any:
+        """The report entry when :meth:`held` itself failed: everything this rank holds of
+        the level is unusable, for reason ``why``."""
+
+    def report(self, step: int, world: int, *, data: bool = True) -> Any:
+        """:meth:`held`, and never an exception (every rank must reach the next
+        collective): any failure makes this rank's part of the level unusable. Local."""
+        try:
+            return self.held(step, world, data=data)
+        except Exception as exc:  # noqa: BLE001 - any failure: the level's data is unusable
+            return self.unusable(one_line(exc))
+
+    @abc.abstractmethod
+    def rebuild(self, step: int, part: Any, reports: Sequence[Report],
+                have: Sequence[bool]) -> None:
+        """Rebuild the shards of ``part`` (the cover's solution; ``have[r]``: rank r's shard
+        is intact or was rebuilt by a level before this one). Every rank calls with the same
+        arguments; a rank with nothing to do returns."""
+
+    @abc.abstractmethod
+    def free(self) -> None:
+        """Unmap the level's slots and free its communicator. Local."""

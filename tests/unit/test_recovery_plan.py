@@ -9,7 +9,10 @@ import pytest
 
 from ftkit.comm.placement import erasure_sets, partner_map
 from ftkit.comm.topology import virtual_nodes
-from ftkit.recovery.plan import Plan, make_plan, parity_ok
+from ftkit.recovery.plan import Plan, make_plan
+from ftkit.storage.level import Cover
+from ftkit.storage.redundancy.erasure import ErasureCover, parity_ok
+from ftkit.storage.redundancy.partner import PartnerCover
 
 HEADER = {"seg": 64, "sizes": [10, 10, 10, 10], "checksums": ["a", "b", "c", "d"]}
 
@@ -69,8 +72,13 @@ class Job:
         self.reports[rank][level] = {"error": f"{level} parity of rank {rank} damaged"}
 
     def plan(self, step: int = 7) -> Plan:
-        return make_plan(step, self.reports, self.levels, self.partners, self.sets,
-                         self.parity, self.node_name)
+        return make_plan(step, self.reports, self.levels, self.covers(), self.node_name)
+
+    def covers(self) -> list[Cover]:
+        """The covers a job with this placement builds, in encode order."""
+        out: list[Cover] = [PartnerCover(self.partners)] if self.partners is not None else []
+        return out + [ErasureCover(name, self.sets[name], self.parity[name])
+                      for name in ("xor", "rs") if name in self.sets]
 
 
 def test_nothing_lost() -> None:
@@ -338,7 +346,7 @@ def test_erasure_solvability_matches_stripe_criterion(k: int, p: int) -> None:
         bad = {i for i in range(k) if bad_bits >> i & 1}
         reports = [{"own": "lost" if i in lost else None,
                     level: {"error": "x"} if i in bad else dict(HEADER)} for i in range(k)]
-        plan = make_plan(3, reports, [level], None, job.sets, job.parity, job.node_name)
+        plan = make_plan(3, reports, [level], job.covers(), job.node_name)
         want = not lost or _expected_solvable(k, p, lost, bad)
         assert plan.ok == want, (k, p, sorted(lost), sorted(bad))
         assert plan.lost == sorted(lost)

@@ -213,8 +213,8 @@ def test_partner_copy_behind_a_link_is_unusable(dc: DistComm, tmp_path: Path,
     else:
         _linked_step(level, 2, target)
     held = partner.held(2, 1)
-    assert list(held) == [1] and held[1] is not None, held
-    assert "symbolic link" in held[1] and "step 2" in held[1] and "rank 1" in held[1], held
+    assert list(held) == ["1"] and held["1"] is not None, held
+    assert "symbolic link" in held["1"] and "step 2" in held["1"] and "rank 1" in held["1"], held
 
 
 # ------------------------------------------------------------------ XOR / RS
@@ -258,7 +258,7 @@ def test_parity_behind_a_link_is_unusable(dc: DistComm, tmp_path: Path, linked: 
     xor = _xor(level, dc)
     level.ensure_step_dir(1)
     _parity(xor.parity_path(1), 1)
-    assert xor.held(1) == {"seg": 64, "sizes": [10, 20],
+    assert xor.held(1, 2) == {"seg": 64, "sizes": [10, 20],
                            "checksums": [checksum(b"a"), checksum(b"b")]}
     target = tmp_path / "attacker"
     target.mkdir()
@@ -268,7 +268,7 @@ def test_parity_behind_a_link_is_unusable(dc: DistComm, tmp_path: Path, linked: 
         xor.parity_path(2).symlink_to(target / "xor-0-0.ftk")
     else:
         _linked_step(level, 2, target)
-    held = xor.held(2)
+    held = xor.held(2, 2)
     assert held is not None and "symbolic link" in held.get("error", ""), held
     assert "step 2" in held["error"] and "level xor" in held["error"], held
 

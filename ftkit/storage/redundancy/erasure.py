@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,11 @@ from ftkit import passes
 from ftkit.buffers import aligned_empty, aligned_zeros
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
+from ftkit.comm.placement import set_of
 from ftkit.errors import CorruptCheckpointError
 from ftkit.faults import Faults
 from ftkit.fs import write_atomic
-from ftkit.storage.level import Level
+from ftkit.storage.level import Cover, Redundancy, Report, Site, ranks_text
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.stripes import Layout
@@ -135,14 +137,86 @@ def _words(seg: np.ndarray) -> list[object]:
     return [seg.view(np.uint64), MPI.UINT64_T]
 
 
-class ErasureLevel(Level):
+def parity_ok(report: Report, level: str) -> bool:
+    """Does ``report`` hold ``level``'s parity intact (a header, not an error or nothing)?"""
+    held = report.get(level)
+    return isinstance(held, dict) and "error" not in held
+
+
+class ErasureCover(Cover):
+    """The erasure sets of one level (``sets[i]``: the ranks of set i, on different nodes)
+    and its parity count: a set rebuilds its lost members while enough of its data and
+    parity blocks remain in every stripe they touch."""
+
+    kind = "parity"
+
+    def __init__(self, name: str, sets: Sequence[Sequence[int]], parity: int) -> None:
+        self.name, self.sets, self.parity = name, [list(m) for m in sets], parity
+
+    def solve(self, reports: Sequence[Report], have: list[bool],
+              node_name: Sequence[str]) -> tuple[dict[int, list[int]], list[str]]:
+        """``{set id: lost member indices}`` of the sets that can decode. Pure."""
+        part: dict[int, list[int]] = {}
+        why: list[str] = []
+        for sid, members in enumerate(self.sets):
+            idx = [i for i, r in enumerate(members) if not have[r]]
+            if not idx:
+                continue
+            p_ok = [parity_ok(reports[r], self.name) for r in members]
+            if _solvable(Layout(len(members), self.parity), idx, [have[r] for r in members],
+                         p_ok):
+                part[sid] = idx
+                for i in idx:
+                    have[members[i]] = True
+            else:
+                gone = [members[i] for i in idx]
+                why.append(f"{self.name}: set {sid} {members} lost the shards of "
+                           f"{ranks_text(gone, node_name)} and {p_ok.count(False)} parity "
+                           f"block(s); it tolerates {self.parity} lost member(s)")
+        return part, why
+
+    def rebuilt(self, part: dict[int, list[int]]) -> list[int]:
+        return [self.sets[sid][i] for sid, idx in part.items() for i in idx]
+
+
+def _solvable(layout: Layout, lost_idx: list[int], data_ok: list[bool],
+              parity_ok_: list[bool]) -> bool:
+    for t in range(layout.k):
+        dm = layout.data_members(t)
+        if not any(mem in lost_idx for mem in dm):
+            continue
+        avail = sum(data_ok[mem] for mem in dm) + sum(parity_ok_[h] for h in layout.holders(t))
+        if avail < layout.m:
+            return False
+    return True
+
+
+class ErasureLevel(Redundancy):
     """One rank's membership in one erasure set (``xor``: p = 1, ``rs``: p >= 1)."""
 
+    @classmethod
+    def builder(cls, name: str, size: str, parity: str | int
+                ) -> Callable[[Site], ErasureLevel]:
+        """The registry's builder of level ``name``: sets of the Config field ``size``,
+        ``parity`` blocks (a number, or the Config field that holds it)."""
+        def build(site: Site) -> ErasureLevel:
+            p = parity if isinstance(parity, int) else int(getattr(site.config, parity))
+            sets = site.topo.erasure_sets(int(getattr(site.config, size)), minimum=p + 1,
+                                          what=name)
+            sid, idx = set_of(sets, site.topo.rank)
+            return cls(name, site.local, site.dc.split(sid, idx), sid, sets[sid], p,
+                       site.faults, sets=sets)
+        return build
+
     def __init__(self, name: str, local: LocalLevel, sdc: DistComm, set_id: int,
-                 members: list[int], parity: int, faults: Faults) -> None:
+                 members: list[int], parity: int, faults: Faults, *,
+                 sets: Sequence[Sequence[int]] | None = None) -> None:
         self.name = name
         self.local, self.sdc = local, sdc      # sdc: communicator of this set only
         self.set_id, self.members = set_id, members
+        # every set of the job (the cover plans restores); without: the ones before are unknown
+        self.cover = ErasureCover(name, sets if sets is not None else
+                                  [[]] * set_id + [members], parity)
         self.index = sdc.rank
         self.layout = Layout(len(members), parity)
         self.faults = faults
@@ -195,6 +269,11 @@ class ErasureLevel(Level):
             log.warning("rank %d: no %s parity slot (%s); writing a plain file",
                         self.local.rank, self.name, exc)
             return None
+
+    def free(self) -> None:
+        """Unmap the parity slots and free the set's communicator. Local."""
+        self.close()
+        self.sdc.free()
 
     def close(self) -> None:
         """Unmap the parity slots (their files stay). Local."""
@@ -329,7 +408,7 @@ class ErasureLevel(Level):
             path.unlink(missing_ok=True)
 
     # ----------------------------------------------------------------- restore
-    def held(self, step: int, *, data: bool = True) -> dict[str, Any] | None:
+    def held(self, step: int, world: int, *, data: bool = True) -> dict[str, Any] | None:
         """This member's parity file of ``step``: its header if intact, an error string if
         damaged (or not ours: a planted link is never followed), None if absent. Without
         ``data`` only the header is checked (a shard decoded from damaged parity fails its
@@ -388,8 +467,22 @@ class ErasureLevel(Level):
             return f"member checksums {str(sums)[:80]} are not {lay.k} xxh3-64 checksums"
         return None
 
-    def rebuild(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
-                header: dict[str, Any]) -> None:
+    def unusable(self, why: str) -> dict[str, Any]:
+        return {"error": why}
+
+    def rebuild(self, step: int, part: Any, reports: Sequence[Report],
+                have: Sequence[bool]) -> None:
+        """Rebuild the lost members of this rank's set when ``part`` names it (``{set id:
+        lost member indices}``). Every rank calls; the members of such a set decode together
+        (:meth:`decode`)."""
+        if self.set_id not in part:
+            return
+        oks = [parity_ok(reports[r], self.name) for r in self.members]
+        header = next(reports[r][self.name] for r, ok in zip(self.members, oks) if ok)
+        self.decode(step, part[self.set_id], [have[r] for r in self.members], oks, header)
+
+    def decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
+               header: dict[str, Any]) -> None:
         """Rebuild the shards of set members ``lost`` (set indices). Every member of the set
         calls with the same arguments; a lost member writes and verifies its shard."""
         me, s = self.index, int(header["seg"])

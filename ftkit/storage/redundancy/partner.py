@@ -10,14 +10,16 @@ shard sent back at rebuild is checked the same way on the rank that receives it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.faults import Faults
-from ftkit.storage.level import Level
+from ftkit.storage.level import Cover, Redundancy, Report, Site
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard
@@ -26,16 +28,59 @@ from ftkit.storage.slots import Slots
 log = logging.getLogger(__name__)
 
 
-class PartnerLevel(Level):
+class PartnerCover(Cover):
+    """``partners[r]`` holds rank r's copy (on another node)."""
+
+    name = "partner"
+    kind = "copy"
+
+    def __init__(self, partners: Sequence[int]) -> None:
+        self.partners = list(partners)
+
+    def solve(self, reports: Sequence[Report], have: list[bool],
+              node_name: Sequence[str]) -> tuple[list[int], list[str]]:
+        """Lost ranks whose copy is intact on their partner. Pure."""
+        part, why = [], []
+        for r in (r for r, ok in enumerate(have) if not ok):
+            holder = self.partners[r]
+            state = (reports[holder].get(self.name) or {}).get(str(r), "missing")
+            if state is None:
+                part.append(r)
+                have[r] = True
+            else:
+                why.append(f"{self.name}: the copy of rank {r} on rank {holder} "
+                           f"({node_name[holder]}) is {_short(state)}")
+        return part, why
+
+    def rebuilt(self, part: list[int]) -> list[int]:
+        return list(part)
+
+
+def _short(state: object) -> str:
+    if state == "missing":
+        return "missing"
+    text = str(state)
+    return "damaged (" + (text if len(text) < 160 else text[:157] + "...") + ")"
+
+
+class PartnerLevel(Redundancy):
     """Rank-side partner level. ``partners[r]`` holds rank r's copy."""
 
     name = "partner"
+
+    @classmethod
+    def build(cls, site: Site) -> PartnerLevel:
+        """The partner level of this rank: copies on the next node (placement raises the
+        same ConfigError on every rank when the job has one node). All ranks call."""
+        return cls(site.local, DistComm(site.dc.comm, site.dc.timeout),
+                   site.topo.partner_map(), site.faults)
 
     def __init__(self, local: LocalLevel, dc: DistComm, partners: list[int],
                  faults: Faults) -> None:
         self.local = local
         self.dc = dc                     # a communicator of its own (tags never collide)
         self.partners = partners
+        self.cover = PartnerCover(partners)
         self.rank = dc.rank
         self.sources = [q for q, p in enumerate(partners) if p == self.rank]
         self.faults = faults
@@ -71,6 +116,11 @@ class PartnerLevel(Level):
         for slots in self.slots.values():
             slots.close()
 
+    def free(self) -> None:
+        """Unmap the slots and free the level's communicator. Local."""
+        self.close()
+        self.dc.free()
+
     def discard(self, step: int) -> None:
         """Remove my uncommitted copies of ``step``: only regular files in a private step
         directory (a linked step directory never makes ftkit unlink inside its target)."""
@@ -80,13 +130,13 @@ class PartnerLevel(Level):
                 if self.local.file_problem(path) is None:
                     path.unlink(missing_ok=True)
 
-    def held(self, step: int, world: int, *, data: bool = True) -> dict[int, str | None]:
-        """``{source rank: None if my copy of its shard is intact, else why}`` (absent
+    def held(self, step: int, world: int, *, data: bool = True) -> dict[str, str | None]:
+        """``{str(source rank): None if my copy of its shard is intact, else why}`` (absent
         copies are left out). Any failure to read or check a copy makes it unusable, and so
         does a copy or step directory that is not ours (a planted link: never followed).
         Without ``data`` no tensor byte is read (headers only): a copy used for a rebuild
         is verified as it streams to its rank. Local."""
-        out: dict[int, str | None] = {}
+        out: dict[str, str | None] = {}
         for q in self.sources:
             path = self.copy_path(step, q)
             try:
@@ -98,18 +148,23 @@ class PartnerLevel(Level):
                                                  level=self.name)
                 Shard.check(path, rank=q, step=step, world=world, level=self.name,
                             data=data)
-                out[q] = None
+                out[str(q)] = None
             except Exception as exc:  # noqa: BLE001 - any failure: the copy is unusable
                 why = str(exc) if isinstance(exc, CorruptCheckpointError) else \
                     f"{path} (level {self.name}, rank {q}, step {step}): " \
                     f"{type(exc).__name__}: {exc}"
                 log.warning("partner copy unusable: %s", why)
-                out[q] = why
+                out[str(q)] = why
         return out
 
-    def rebuild(self, step: int, lost: list[int]) -> None:
-        """Send the copies I hold of ``lost`` ranks to them; lost ranks receive their shard.
-        Every rank in ``lost`` and every holder of their copies calls."""
+    def unusable(self, why: str) -> dict[str, str | None]:
+        return {str(q): why for q in self.sources}
+
+    def rebuild(self, step: int, part: Any, reports: Sequence[Report] = (),
+                have: Sequence[bool] = ()) -> None:
+        """Send the copies I hold of the ``part`` ranks to them; they receive their shard.
+        Every rank calls (a rank that neither holds nor lost one returns at once)."""
+        lost = list(part)
         sends = [(self.copy_path(step, q), q) for q in self.sources if q in lost]
         if self.rank in lost:
             self.local.ensure_step_dir(step)
