@@ -73,12 +73,12 @@ def _positive_float(text: str) -> float:
 
 def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ftkit run -n N [...] -- CMD [ARGS...]``."""
+    from ftkit.launch import registry
     from ftkit.launch.outcome import DEFAULT_RESTART_DELAY, NOT_RETRIED_STATUS
-    from ftkit.launch.relaunch import (
+    from ftkit.launch.spec import (
         DEFAULT_ATTEMPT_TIMEOUT,
         DEFAULT_STALL_TIMEOUT,
         DEFAULT_STARTUP_TIMEOUT,
-        LAUNCHERS,
     )
     run = sub.add_parser(
         "run", help="launch CMD on N ranks and relaunch it on failure",
@@ -109,7 +109,7 @@ def _add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument("--max-restarts", type=_non_negative_int, default=DEFAULT_RESTARTS,
                      metavar="R", help=f"relaunch at most R times (default {DEFAULT_RESTARTS}; "
                                        "0: never)")
-    run.add_argument("--launcher", choices=LAUNCHERS, default="auto",
+    run.add_argument("--launcher", choices=registry.names(), default="auto",
                      help="auto: srun inside a Slurm allocation, mpiexec elsewhere")
     run.add_argument("--attempt-timeout", type=float, default=DEFAULT_ATTEMPT_TIMEOUT,
                      metavar="SECONDS",
@@ -378,8 +378,11 @@ def _error(command: str, exc: Exception) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """Body of ``ftkit run``."""
+    from ftkit.launch import registry
+    from ftkit.launch.base import Request
     from ftkit.launch.jobs import choose_job
-    from ftkit.launch.relaunch import RunSpec, resolve_launcher, run_job
+    from ftkit.launch.relaunch import run_job
+    from ftkit.launch.spec import RunSpec
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -397,8 +400,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        restart_delay=args.restart_delay,
                        tidy=not args.keep_local, shrink=_shrink(args, cfg),
                        in_job=args.in_job, startup_timeout=args.startup_timeout)
-        launcher = resolve_launcher(args.launcher, os.environ, mpiexec=args.mpiexec,
-                                    spec=spec, cfg=cfg, extra=_split_args(args.launcher_args))
+        launcher = registry.resolve(args.launcher, Request(
+            os.environ, args.mpiexec, _split_args(args.launcher_args), spec, cfg))
         print(f"ftkit run: {job.line}: {args.n} ranks, up to {args.max_restarts} "
               f"restart(s) (--max-restarts)", file=sys.stderr, flush=True)
         return run_job(spec, cfg, launcher, {**os.environ, "FTKIT_JOB": cfg.job})

@@ -8,7 +8,7 @@ ring of the failed generation is gone. The deadline bounds all of it: it is arme
 flag is first tripped here (:meth:`Deadline.arm`, by the watcher or the main thread) and
 cancelled when the recovery is done. When it expires, the process writes every thread's
 stack to stderr (where it was stuck is the first thing a developer asks) and falls back
-(:func:`ftkit.injob.resilient.fall_back`): it aborts the world, and ``ftkit run``
+(:func:`ftkit.injob.fallback.fall_back`): it aborts the world, and ``ftkit run``
 relaunches the job, the attempt line naming the phase the process was in.
 
 Local to the process; no communication.

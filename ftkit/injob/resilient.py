@@ -24,7 +24,7 @@ With it, the job's processes are N working ranks and K spares (the last K of
 
 More failures than spares, a failure during recovery that repeats, or an error of
 ``train`` that is not a peer's failure: the process records why and aborts the world;
-``ftkit run`` relaunches the job (:func:`fall_back`).
+``ftkit run`` relaunches the job (:func:`~ftkit.injob.fallback.fall_back`).
 
 What ``train`` must do: build everything that talks to other ranks from ``comm`` on every
 call (torch.distributed with :func:`ftkit.init_torch_distributed(comm)`, a
@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from ftkit.comm import flag
 from ftkit.errors import ConfigError, FtkitError
 from ftkit.injob.deadline import Deadline
+from ftkit.injob.fallback import fall_back, who
 from ftkit.jobdir.env import SPARES_ENV
 
 log = logging.getLogger(__name__)
@@ -302,33 +303,6 @@ def _bound_finalize() -> None:
             stream.flush()
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.setitimer(signal.ITIMER_REAL, FINALIZE_S)
-
-
-def fall_back(why: str, rank: int) -> None:
-    """In-job recovery is impossible: say why (the attempt line of ``ftkit run`` names it)
-    and abort the world, so ``ftkit run`` relaunches the job. ``rank``: this process's
-    logical rank (-1: a spare). Never returns."""
-    from mpi4py import MPI
-
-    from ftkit.jobdir.fatal import record_death
-    process = MPI.COMM_WORLD.Get_rank()
-    line = f"in-job recovery impossible: {why}; falling back to a relaunch"
-    log.error("%s: %s", who(rank, process), line)
-    # the record is keyed like the launcher's report: by the process (MPI_COMM_WORLD rank)
-    record_death(process, aborted=line if rank == process else f"({who(rank, process)}) "
-                 f"{line}")
-    for handler in logging.getLogger("ftkit").handlers:
-        handler.flush()
-    MPI.COMM_WORLD.Abort(4)
-    raise FtkitError(line)          # not reached
-
-
-def who(rank: int, process: int) -> str:
-    """``rank 2``, ``rank 2 (process 4)`` or ``spare process 5`` (pure): a logical rank
-    differs from its process after a spare took it over."""
-    if rank < 0:
-        return f"spare process {process}"
-    return f"rank {rank}" if rank == process else f"rank {rank} (process {process})"
 
 
 def _started(gen: Any) -> None:

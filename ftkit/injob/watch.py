@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ftkit.comm import flag
 from ftkit.injob import heartbeat, sockets
+from ftkit.injob.fallback import fall_back
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,6 @@ class Watch:
         ended = heartbeat.end(ring.peer, ring.me)
         _hung_event(ring, silent, ended)
         if not ended:
-            from ftkit.injob.resilient import fall_back
             fall_back(f"{why}, and it runs on another machine: it cannot be ended from "
                       f"here", ring.me.logical)
         flag.trip(f"{why}: ended (SIGKILL)")

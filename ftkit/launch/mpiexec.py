@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ftkit.errors import LaunchError
 from ftkit.jobdir.env import SPARES_ENV
+from ftkit.launch.base import Launcher, Request
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ def launch_env(base_env: Mapping[str, str], flavor: str, *, as_root: bool | None
 
 
 @dataclasses.dataclass(frozen=True)
-class MpiexecLauncher:
+class MpiexecLauncher(Launcher):
     """An ``mpiexec`` of a known flavour; builds each attempt's argv and environment."""
 
     path: str
@@ -267,6 +268,13 @@ class MpiexecLauncher:
                         "root otherwise); export them yourself to silence this warning",
                         " and ".join(f"{key}=1" for key in added))
         return launcher
+
+    @classmethod
+    def build(cls, request: Request) -> MpiexecLauncher:
+        """The registry's builder: :meth:`detect`, then :meth:`in_job` for ``--in-job``."""
+        mpi = cls.detect(request.mpiexec, request.env, request.extra)
+        spec = request.spec
+        return mpi.in_job(spec.spares) if spec is not None and spec.in_job else mpi
 
     def in_job(self, spares: int) -> MpiexecLauncher:
         """This launcher for in-job recovery with ``spares`` spare ranks (``ftkit run

@@ -45,9 +45,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
@@ -57,6 +57,7 @@ from ftkit.jobdir.fatal import FATAL_DIR_ENV, first_recurring, read_records
 from ftkit.jobdir.identity import LAUNCH_ID_ENV, new_run_id
 from ftkit.joblock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch import marker
+from ftkit.launch.base import Launcher, Recovery
 from ftkit.launch.failures import (
     StderrTee,
     explain,
@@ -65,7 +66,6 @@ from ftkit.launch.failures import (
     signame,
 )
 from ftkit.launch.jobs import TIDY_ENV, end_line
-from ftkit.launch.mpiexec import MpiexecLauncher
 from ftkit.launch.orphans import this_host_job_dir, wait_for_orphans
 from ftkit.launch.outcome import (
     AttemptResult,
@@ -73,114 +73,14 @@ from ftkit.launch.outcome import (
     judge,
     restart_delay,
 )
+from ftkit.launch.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
-LAUNCHERS = ("auto", "mpiexec", "srun")
-DEFAULT_ATTEMPT_TIMEOUT = 0.0      # no wall-clock limit per attempt (0: none)
-DEFAULT_STALL_TIMEOUT = 3600.0     # an attempt without a checkpoint event this long is hung
-#: --in-job: an attempt whose processes did not all pass MPI_Init this long after launch is
-#: ended (a process that dies during MPI_Init leaves the others waiting there: ULFM does not
-#: cover initialisation)
-DEFAULT_STARTUP_TIMEOUT = 180.0
-DEFAULT_KILL_GRACE = 5.0
 REQUEUE_FAILED_STATUS = 75          # EX_TEMPFAIL: resubmit to continue
 _TEE_WAIT_S = 5.0     # for the launcher's last words once it exited (a process outside its
 #                       group may hold the pipe: then what came so far is what is known)
 _POLL_S = 0.25        # how often a waiting loop re-checks deadlines (not a synchronisation)
-
-
-class Launcher(Protocol):
-    """What the loop needs from a launcher (``mpiexec`` now, ``srun`` later)."""
-
-    @property
-    def name(self) -> str:
-        """Short name recorded in events (``mpiexec``, ``srun``)."""
-        ...
-
-    def command(self, n: int, cmd: Sequence[str]) -> list[str]:
-        """Launcher argv for ``n`` ranks of ``cmd``."""
-        ...
-
-    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
-        """Launcher environment derived from ``base``."""
-        ...
-
-
-def resolve_launcher(choice: str, env: Mapping[str, str] | None = None,
-                     mpiexec: str | None = None, spec: RunSpec | None = None,
-                     cfg: Config | None = None, extra: Sequence[str] = ()) -> Launcher:
-    """Pick the launcher: ``auto`` is the Slurm launcher (:mod:`ftkit.slurm.launcher`)
-    inside an allocation, plain mpiexec elsewhere (or when ``--mpiexec`` names one).
-    ``extra``: arguments for the launcher (``--launcher-args``)."""
-    env = os.environ if env is None else env
-    if choice not in LAUNCHERS:
-        raise LaunchError(f"unknown launcher {choice!r}; valid: {', '.join(LAUNCHERS)}")
-    mpi = MpiexecLauncher.detect(mpiexec, env, extra)
-    in_allocation = "SLURM_JOB_ID" in env or "SLURM_JOBID" in env
-    if choice == "srun" or (choice == "auto" and in_allocation and not mpiexec):
-        from ftkit.slurm.env import SlurmEnv
-        from ftkit.slurm.launcher import SlurmLauncher
-        senv = SlurmEnv.from_environ(env)
-        if senv is None or not senv.nodes:
-            raise LaunchError("--launcher srun: not inside a Slurm allocation "
-                              "(no SLURM_JOB_ID / SLURM_JOB_NODELIST)")
-        if spec is None or cfg is None:
-            raise LaunchError("the Slurm launcher needs the run's spec and configuration")
-        return SlurmLauncher(mpi, senv, spec.n, spec.spares,
-                             cfg.job_pfs_dir / "slurm-slots.json", shrink=spec.shrink,
-                             in_job=spec.in_job)
-    return mpi.in_job(spec.spares) if spec is not None and spec.in_job else mpi
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """What ``ftkit run`` was asked to do."""
-
-    n: int
-    cmd: tuple[str, ...]
-    ranks_per_node: int | None = None
-    spares: int = 0
-    max_restarts: int = 0
-    attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT     # seconds; 0: no wall-clock limit
-    stall_timeout: float = DEFAULT_STALL_TIMEOUT         # seconds; 0: no progress watchdog
-    kill_grace: float = DEFAULT_KILL_GRACE
-    fresh: bool = False                  # attempt 0 starts over (FTKIT_START=fresh)
-    restart_delay: float = 0.0           # seconds before restart 1, then doubled (the CLI: 2)
-    tidy: bool = False                   # a successful end removes the node-local copies
-    #                                      (when the newest step is on the PFS)
-    shrink: int = 0                      # --shrink: out of spares, go on with fewer ranks,
-    #                                      a multiple of this (0: requeue instead; Slurm)
-    in_job: bool = False                 # --in-job: spares are ranks replacing failed ones
-    #                                      in the running job (ULFM)
-    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT    # --in-job: seconds from launch to
-    #                                      the job's first event; 0: not watched
-
-    def start(self, attempt: int) -> str:
-        """``FTKIT_START`` of ``attempt``: relaunches resume what attempt 0 committed."""
-        return "fresh" if self.fresh and attempt == 0 else "resume"
-
-    def __post_init__(self) -> None:
-        checks = ((self.n >= 1, f"-n must be >= 1, got {self.n}"),
-                  (bool(self.cmd), "no command given after --"),
-                  (self.ranks_per_node is None or self.ranks_per_node >= 1,
-                   f"--ranks-per-node must be >= 1, got {self.ranks_per_node}"),
-                  (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
-                  (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
-                  (self.shrink >= 0, f"--shrink-multiple must be >= 1, got {self.shrink}"),
-                  _seconds_ok(self.attempt_timeout, "--attempt-timeout", "no limit"),
-                  _seconds_ok(self.stall_timeout, "--stall-timeout", "no watchdog"),
-                  _seconds_ok(self.startup_timeout, "--startup-timeout", "not watched"),
-                  (self.kill_grace >= 0, f"kill grace must be >= 0, got {self.kill_grace}"))
-        for ok, message in checks:
-            if not ok:
-                raise LaunchError(message)
-
-
-def _seconds_ok(value: float, option: str, zero: str) -> tuple[bool, str]:
-    """A ``(ok, message)`` check of a limit in seconds: finite and >= 0 (0 means ``zero``)."""
-    return (math.isfinite(value) and value >= 0,
-            f"{option} must be a finite number of seconds >= 0 (0: {zero}), got {value}")
 
 
 def done_file_path(cfg: Config, attempt: int) -> Path:
@@ -468,10 +368,9 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                   base_env: dict[str, str], out: TextIO | None) -> int:
     """The body of :func:`run_job`, under the job lock."""
     out = sys.stdout if out is None else out
-    recover = getattr(launcher, "after_failure", None)      # the Slurm launcher has it
-    if spec.spares and recover is None and not spec.in_job:
+    if spec.spares and not launcher.recovers and not spec.in_job:
         log.warning("--spares %d has no effect outside a Slurm allocation", spec.spares)
-    if spec.shrink and recover is None:
+    if spec.shrink and not launcher.recovers:
         log.warning("--shrink has no effect outside a Slurm allocation: mpiexec's hosts are "
                     "not ftkit's to exclude, so every relaunch has all %d ranks", spec.n)
     stop_file = stop_file_path(cfg)
@@ -496,8 +395,7 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    failed={str(r): how for r, how in result.failed.items()},
                    **_fatal_fields(result))
-            if (follow := getattr(launcher, "follow_in_job", None)) is not None:
-                follow()                        # Slurm: slots follow in-job node moves
+            launcher.follow_in_job()            # Slurm: slots follow in-job node moves
             delay = restart_delay(attempt + 1, spec.restart_delay)
             print(attempt_line(result, spec.max_restarts, delay), file=out, flush=True)
             record = marker.read_marker(done) if result.ok else {}
@@ -507,7 +405,7 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                 print(f"ftkit run: {line}", file=out, flush=True)
             if result.ok or result.interrupted is not None or result.fatal is not None:
                 break
-            if recover is not None and attempt < spec.max_restarts:
+            if launcher.recovers and attempt < spec.max_restarts:
                 rec = _recover(cfg, launcher, attempt, out, n)
                 if rec.action == "requeue":
                     return _requeue(cfg, launcher, rec.message, out)
@@ -533,11 +431,10 @@ def _fatal_fields(result: AttemptResult) -> dict[str, Any]:
 
 
 def _placement(launcher: Launcher) -> dict[str, Any]:
-    describe = getattr(launcher, "describe", None)
-    return dict(describe()) if describe is not None else {}
+    return dict(launcher.describe())
 
 
-def _recover(cfg: Config, launcher: Any, attempt: int, out: TextIO, n: int) -> Any:
+def _recover(cfg: Config, launcher: Launcher, attempt: int, out: TextIO, n: int) -> Recovery:
     """Slurm: classify failed nodes and take spares (or shrink: fewer ranks); the launcher's
     ``Recovery`` says what comes next (``requeue`` when neither works). ``n``: the ranks of
     the attempt that failed."""
@@ -549,7 +446,7 @@ def _recover(cfg: Config, launcher: Any, attempt: int, out: TextIO, n: int) -> A
     return rec
 
 
-def _requeue(cfg: Config, launcher: Any, why: str, out: TextIO) -> int:
+def _requeue(cfg: Config, launcher: Launcher, why: str, out: TextIO) -> int:
     """Ask Slurm to requeue this job; a clear message and EX_TEMPFAIL when it cannot."""
     ok, detail = launcher.requeue()
     _event(cfg, "requeue", ok=ok, reason=why, detail=detail)

@@ -21,21 +21,13 @@ through these methods; :mod:`ftkit.storage.registry` says which levels exist.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.errors import one_line
-
-if TYPE_CHECKING:
-    from ftkit.comm.dist import DistComm
-    from ftkit.comm.topology import Topology
-    from ftkit.config import Config
-    from ftkit.faults import Faults
-    from ftkit.storage.local import LocalLevel
 
 
 class Level(abc.ABC):
@@ -64,19 +56,6 @@ class Level(abc.ABC):
 #: one rank's report of a step at restore: ``"own"`` (None when its shard is intact, else why)
 #: and, under each redundancy level's name, what that level holds (:meth:`Redundancy.held`)
 Report = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """What a redundancy level is built from (:mod:`ftkit.storage.registry`): the job's
-    topology and configuration, the job's communicator (a level splits or duplicates its
-    own), this rank's local level and the fault injection."""
-
-    topo: Topology
-    config: Config
-    dc: DistComm
-    local: LocalLevel
-    faults: Faults
 
 
 def ranks_text(ranks: Sequence[int], node_name: Sequence[str]) -> str:

@@ -11,8 +11,9 @@ from ftkit.config import Config
 from ftkit.errors import ConfigError
 from ftkit.faults import Faults
 from ftkit.storage import registry
-from ftkit.storage.level import Cover, Level, Redundancy, Site
+from ftkit.storage.level import Cover, Level, Redundancy
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.site import Site
 
 
 @dataclasses.dataclass

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ftkit import levelnames
-from ftkit.storage.level import Redundancy, Site
+from ftkit.storage.level import Redundancy
 from ftkit.storage.redundancy.erasure import ErasureLevel
 from ftkit.storage.redundancy.partner import PartnerLevel
+from ftkit.storage.site import Site
 
 #: builds this rank's object of a level; all ranks call it (communicators are split there)
 Builder = Callable[[Site], Redundancy]

@@ -14,9 +14,10 @@ from typing import Any
 from ftkit import Checkpointer, Config
 from ftkit.faults import flip_byte
 from ftkit.storage import registry
-from ftkit.storage.level import Cover, Redundancy, Report, Site
+from ftkit.storage.level import Cover, Redundancy, Report
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard
+from ftkit.storage.site import Site
 
 from .mpi_helpers import (
     RANK,

@@ -29,7 +29,11 @@ from ftkit.config import Config
 from ftkit.errors import ConfigError, LaunchError
 from ftkit.events import append_event, read_events
 from ftkit.launch import outcome, relaunch
-from ftkit.launch.relaunch import RunSpec, run_job
+from ftkit.launch import registry as launch_registry
+from ftkit.launch import spec as spec_module
+from ftkit.launch.base import Launcher
+from ftkit.launch.relaunch import run_job
+from ftkit.launch.spec import RunSpec
 from ftkit.slurm.env import expand_hostlist
 from ftkit.slurm.sbatch import SbatchSpec, render_sbatch
 
@@ -202,7 +206,7 @@ def test_run_spec_rejects_bad_limits(field: str, value: float) -> None:
 
 def test_cli_passes_the_stall_timeout(job: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[RunSpec] = []
-    monkeypatch.setattr(relaunch, "resolve_launcher", lambda *a, **k: None)
+    monkeypatch.setattr(launch_registry, "resolve", lambda *a, **k: None)
     monkeypatch.setattr(relaunch, "run_job", lambda spec, *a, **k: seen.append(spec) or 0)
     assert main(["run", "-n", "2", "--stall-timeout", "7", "--", "x"]) == 0
     assert (seen[0].stall_timeout, seen[0].attempt_timeout) == (7, 0)
@@ -214,7 +218,7 @@ def test_cli_shrink_options(job: Path, monkeypatch: pytest.MonkeyPatch,
     """--shrink becomes RunSpec.shrink (the rank multiple, 0: off); without a PFS level to
     reshard from, or a multiple without --shrink, the run is refused before it starts."""
     seen: list[RunSpec] = []
-    monkeypatch.setattr(relaunch, "resolve_launcher", lambda *a, **k: None)
+    monkeypatch.setattr(launch_registry, "resolve", lambda *a, **k: None)
     monkeypatch.setattr(relaunch, "run_job", lambda spec, *a, **k: seen.append(spec) or 0)
     assert main(["run", "-n", "8", "--", "x"]) == 0
     assert main(["run", "-n", "8", "--shrink", "--", "x"]) == 0
@@ -275,7 +279,7 @@ def test_watch_startup_ends_at_the_first_event(tmp_path: Path) -> None:
 
 def test_the_startup_deadline_is_on_by_default_with_in_job_only() -> None:
     args = build_parser().parse_args(["run", "-n", "2", "--in-job", "--", "x"])
-    assert args.startup_timeout == relaunch.DEFAULT_STARTUP_TIMEOUT <= 300
+    assert args.startup_timeout == spec_module.DEFAULT_STARTUP_TIMEOUT <= 300
     with pytest.raises(LaunchError, match="--startup-timeout"):
         RunSpec(n=1, cmd=("x",), startup_timeout=-1)
 
@@ -306,7 +310,7 @@ with open(os.environ["FTKIT_DONE_FILE"], "w") as f:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ChildLauncher:
+class _ChildLauncher(Launcher):
     """Runs each attempt as one Python child acting out ``plan`` (no mpiexec)."""
 
     plan: str
@@ -370,7 +374,7 @@ sys.exit(1)
 
 
 @dataclasses.dataclass(frozen=True)
-class _UnloadableLauncher:
+class _UnloadableLauncher(Launcher):
     """Each attempt: one child that prints a rank's ImportError traceback and fails, before
     or after the job's first event."""
 

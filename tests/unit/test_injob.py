@@ -16,8 +16,9 @@ from ftkit.comm import flag
 from ftkit.errors import ConfigError, LaunchError
 from ftkit.injob import sockets
 from ftkit.injob.deadline import Deadline
+from ftkit.injob.fallback import who
 from ftkit.injob.membership import NotEnoughSpares, assign
-from ftkit.injob.resilient import spare_ranks, who
+from ftkit.injob.resilient import spare_ranks
 from ftkit.launch.mpiexec import MPICH, OPENMPI, SPARES_ENV, MpiexecLauncher
 from ftkit.testing.procs import rank_processes
 

@@ -23,6 +23,8 @@ from ftkit.cli.main import main
 from ftkit.config import Config
 from ftkit.errors import LaunchError
 from ftkit.events import read_events
+from ftkit.launch import registry
+from ftkit.launch.base import Request
 from ftkit.launch.mpiexec import (
     MPICH,
     OPENMPI,
@@ -44,7 +46,8 @@ from ftkit.launch.outcome import (
     judge,
     restart_delay,
 )
-from ftkit.launch.relaunch import RunSpec, done_file_path, resolve_launcher, run_job
+from ftkit.launch.relaunch import done_file_path, run_job
+from ftkit.launch.spec import RunSpec
 from ftkit.testing.procs import process_gone
 
 FAKE = Path(__file__).parent / "fakes" / "fake_mpiexec.py"
@@ -262,14 +265,14 @@ def test_find_mpiexec_none(tmp_path: Path) -> None:
 
 
 def test_resolve_launcher(fake: str) -> None:
-    launcher = resolve_launcher("auto", {}, mpiexec=fake)
+    launcher = registry.resolve("auto", Request({}, mpiexec=fake))
     assert isinstance(launcher, MpiexecLauncher)
     assert (launcher.path, launcher.flavor, launcher.name) == (fake, MPICH, "mpiexec")
     for choice, env in (("srun", {}), ("auto", {"SLURM_JOB_ID": "7"}), ("lam", {})):
         with pytest.raises(LaunchError):
-            resolve_launcher(choice, env)
+            registry.resolve(choice, Request(env))
     with pytest.raises(LaunchError, match="no such executable"):
-        resolve_launcher("mpiexec", {}, mpiexec="/nonexistent/mpiexec")
+        registry.resolve("mpiexec", Request({}, mpiexec="/nonexistent/mpiexec"))
 
 
 # ------------------------------------------------------------ judging and attempt lines

@@ -20,12 +20,14 @@ from hypothesis import strategies as st
 from ftkit.config import Config
 from ftkit.errors import LaunchError
 from ftkit.events import append_event, read_events
+from ftkit.launch.base import Launcher, Recovery
 from ftkit.launch.mpiexec import SPARES_ENV, MpiexecLauncher
-from ftkit.launch.relaunch import RunSpec, _Interrupt, run_job, stop_file_path
+from ftkit.launch.relaunch import _Interrupt, run_job, stop_file_path
+from ftkit.launch.slurm import SlurmLauncher
+from ftkit.launch.spec import RunSpec
 from ftkit.slurm import health
 from ftkit.slurm.env import SlurmEnv, compress_hostlist, expand_hostlist
 from ftkit.slurm.health import SlurmTools
-from ftkit.slurm.launcher import Recovery, SlurmLauncher
 from ftkit.slurm.sbatch import TEMPLATES, SbatchSpec, render_sbatch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -433,10 +435,11 @@ def attempts(tmp_path: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "attempts.log").read_text().splitlines()]
 
 
-class FakeSlurm:
+class FakeSlurm(Launcher):
     """A launcher with the Slurm launcher's recovery API (after_failure, requeue)."""
 
     name = "srun"
+    recovers = True
 
     def __init__(self, tmp_path: Path, plan: list[dict], recoveries: Sequence[Recovery] = (),
                  requeue: tuple[bool, str] = (True, "")) -> None:

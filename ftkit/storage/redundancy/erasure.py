@@ -42,12 +42,13 @@ from ftkit.comm.placement import set_of
 from ftkit.errors import CorruptCheckpointError
 from ftkit.faults import Faults
 from ftkit.fs import write_atomic
-from ftkit.storage.level import Cover, Redundancy, Report, Site, ranks_text
+from ftkit.storage.level import Cover, Redundancy, Report, ranks_text
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.redundancy.transfer import StreamCheck, mapped
 from ftkit.storage.shard import ALIGN, READ_CHUNK, XXH3, Shard, checksum, write_shard
+from ftkit.storage.site import Site
 from ftkit.storage.slots import Reservation, Slots
 
 log = logging.getLogger(__name__)

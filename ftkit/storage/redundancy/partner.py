@@ -19,10 +19,11 @@ import numpy as np
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.faults import Faults
-from ftkit.storage.level import Cover, Redundancy, Report, Site
+from ftkit.storage.level import Cover, Redundancy, Report
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard
+from ftkit.storage.site import Site
 from ftkit.storage.slots import Slots
 
 log = logging.getLogger(__name__)

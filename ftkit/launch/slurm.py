@@ -26,7 +26,6 @@ MPI's PMIx, which this launcher does not assume.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ from ftkit.errors import LaunchError
 from ftkit.events import read_events
 from ftkit.fs import write_text_atomic
 from ftkit.jobdir.env import SPARES_ENV
+from ftkit.launch.base import Launcher, Recovery, Request
 from ftkit.launch.mpiexec import ULFM_ARGS, MpiexecLauncher, build_command, launch_env
 from ftkit.slurm.env import SlurmEnv, compress_hostlist
 from ftkit.slurm.health import SlurmTools
@@ -43,21 +43,33 @@ from ftkit.slurm.health import SlurmTools
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Recovery:
-    """What to do after a failed attempt."""
-
-    action: str                      # "relaunch", "shrink" or "requeue"
-    failed: dict[str, str]           # node -> why
-    replaced: dict[str, str]         # failed node -> spare that took its slot
-    message: str
-    n: int | None = None             # ranks of the next attempt when they change (shrink)
-
-
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     """Launches attempts on the allocation's healthy nodes; see the module docstring."""
 
     name = "srun"
+    recovers = True
+
+    @staticmethod
+    def detect(request: Request) -> bool:
+        """``--launcher auto`` picks Slurm inside an allocation unless ``--mpiexec`` names
+        an mpiexec."""
+        return ("SLURM_JOB_ID" in request.env or "SLURM_JOBID" in request.env) \
+            and not request.mpiexec
+
+    @classmethod
+    def build(cls, request: Request) -> SlurmLauncher:
+        """The registry's builder; LaunchError outside an allocation or without the run's
+        spec and configuration."""
+        mpi = MpiexecLauncher.detect(request.mpiexec, request.env, request.extra)
+        senv = SlurmEnv.from_environ(request.env)
+        if senv is None or not senv.nodes:
+            raise LaunchError("--launcher srun: not inside a Slurm allocation "
+                              "(no SLURM_JOB_ID / SLURM_JOB_NODELIST)")
+        spec, cfg = request.spec, request.cfg
+        if spec is None or cfg is None:
+            raise LaunchError("the Slurm launcher needs the run's spec and configuration")
+        return cls(mpi, senv, spec.n, spec.spares, cfg.job_pfs_dir / "slurm-slots.json",
+                   shrink=spec.shrink, in_job=spec.in_job)
 
     def __init__(self, mpi: MpiexecLauncher, senv: SlurmEnv, n: int, spares: int,
                  state_file: Path, tools: SlurmTools | None = None, shrink: int = 0,
