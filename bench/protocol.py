@@ -16,7 +16,7 @@ what is measured is the protocol (write-local of a tiny shard, vote, decide, com
 
 A save's time is the slowest rank's; the median and p90 over the saves are reported, with
 the collective operations each save ran (``collectives_per_save``: rounds and bytes
-delivered per rank, the most any rank had; ``ftkit.comm.dist.collective_counts``), which
+delivered per rank, the most any rank had; ``ftkit.passes.collective_counts``), which
 must stay flat in n while nothing fails: a fixed-size allreduce per vote and agreement. With
 more ranks than cores the ranks are oversubscribed (stated in the output and the JSON): the
 growth then includes CPU sharing, not only coordination. Prints
@@ -63,7 +63,7 @@ def _measure(comm: Any, name: str, saves: int) -> dict[str, Any] | None:
     operations (``rounds``) and bytes they delivered per save, the most any rank had (rank
     0; None elsewhere)."""
     from ftkit import Checkpointer, Config, Topology
-    from ftkit.comm.dist import collective_counts
+    from ftkit.passes import collective_counts
     levels, rpn = CONFIGS[name]
     work = comm.bcast({"local": tempfile.mkdtemp(prefix="ftkit-bench-", dir="/dev/shm"),
                        "pfs": tempfile.mkdtemp(prefix="ftkit-bench-")}

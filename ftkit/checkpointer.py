@@ -32,23 +32,23 @@ from ftkit.capture.flatten import TensorLeaf, flatten
 from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
 from ftkit.capture.staging import Stager, Staging
 from ftkit.comm import flag as injob
-from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm, describe
+from ftkit.comm.dist import DistComm, describe
 from ftkit.comm.topology import Topology
 from ftkit.config import Config
 from ftkit.errors import (
     CheckpointError,
     ConfigError,
-    FtkitError,
     ProtocolTimeout,
 )
 from ftkit.events import append_event, mark_progress
 from ftkit.faults import Faults
 from ftkit.flushes import Flushes
 from ftkit.fs import write_record
-from ftkit.jobdir.fatal import record_death, record_fatal
+from ftkit.jobdir.fatal import record_death, record_fatal, recorded
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done
 from ftkit.log import setup_rank_logging
+from ftkit.progress import bulk_seconds
 from ftkit.protocol.twophase import (
     CLOSING,
     ProtocolMismatch,
@@ -86,11 +86,8 @@ class Checkpointer:
     """
 
     def __init__(self, topo: Topology, config: Config | None = None) -> None:
-        try:
+        with recorded(topo.rank):       # e.g. a level that cannot be placed: not retried
             self._init(topo, config)
-        except FtkitError as exc:       # e.g. a level that cannot be placed: not retried
-            record_fatal(exc, topo.rank)
-            raise
 
     def _init(self, topo: Topology, config: Config | None) -> None:
         self.topo = topo
@@ -164,16 +161,13 @@ class Checkpointer:
         ``FTKIT_START=fresh`` (``ftkit run --fresh``) restore deletes the job's checkpoints
         and returns 0."""
         self.wait()
-        try:
+        with recorded(self.topo.rank):
             self._admit(state)
             step = self._restore(state)
             if not step and init_from is not None:
                 from ftkit.interop.seed import seed_everywhere
                 seed_everywhere(self.dc, Path(init_from), state, self._emit)
             return step
-        except FtkitError as exc:
-            record_fatal(exc, self.topo.rank)
-            raise
 
     def _admit(self, state: State) -> None:
         """Once, before the first step: loaders get ftkit's generators, DDPs are noted, every
@@ -240,11 +234,8 @@ class Checkpointer:
         committed step stays); a change through ``.data`` or raw memory is not seen."""
         t0 = time.perf_counter()
         self._settle()
-        try:
+        with recorded(self.topo.rank):
             self._admit(state)               # once: does nothing after the first call
-        except FtkitError as exc:
-            record_fatal(exc, self.topo.rank)
-            raise
         if self.stop_requested:
             self._final_save(step, state)
         self.faults.fire("between", step)
@@ -377,7 +368,7 @@ class Checkpointer:
         """How long a local wait on background work may take before the job is aborted: a
         few control timeouts plus the bulk allowance for the state's bytes (a write, copies
         or parity and a flush each move about the whole state; see ``MIN_BULK_BANDWIDTH``)."""
-        return self.config.timeout * 6 + 4 * self._state_bytes / MIN_BULK_BANDWIDTH
+        return bulk_seconds(self.config.timeout * 6, 4 * self._state_bytes)
 
     def _final_save(self, step: int, state: State) -> None:
         """A stop was requested (time limit near): checkpoint ``step`` on every configured

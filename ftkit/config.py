@@ -16,6 +16,7 @@ from typing import Any
 from ftkit import levelnames
 from ftkit.errors import ConfigError
 from ftkit.faults import parse_faults
+from ftkit.jobdir.fatal import env_rank, recorded
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: ``FTKIT_START``: ``resume`` continues from the newest committed step; ``fresh`` starts
@@ -218,12 +219,8 @@ class Config:
         :mod:`ftkit.jobdir.fatal`): a relaunch would fail the same way.
         """
         env = os.environ if env is None else env
-        try:
+        with recorded(lambda: env_rank(env), ConfigError, env=env):
             return cls._load(toml_path, env, overrides)
-        except ConfigError as exc:
-            from ftkit.jobdir.fatal import env_rank, record_fatal  # not at import: a cycle
-            record_fatal(exc, env_rank(env), env=env)
-            raise
 
     @classmethod
     def _load(cls, toml_path: str | os.PathLike[str] | None, env: Mapping[str, str],

@@ -13,6 +13,9 @@ costs is the number of times its bytes are touched. The few functions that touch
 * ``send`` / ``recv`` — bulk MPI transfers (partner copies, parity rings, flush gathers);
 * ``encode`` — parity arithmetic (XOR, GF(256) products).
 
+Beside them, the small collectives of the protocol are counted (:func:`collective`: the
+rounds a process completed and the bytes they delivered to it; ``bench/protocol.py``).
+
 Counters are per process (every rank has its own) and cumulative; :func:`snapshot` and
 :func:`since` give what one operation cost, :func:`passes` divides by the state's bytes.
 ``bench/levels.py`` reports them per operation. Thread-safe; the cost is one lock per call,
@@ -23,15 +26,33 @@ from __future__ import annotations
 import threading
 
 KINDS = ("copy", "hash", "read", "write", "send", "recv", "encode")
+#: the counters of collective operations, not passes over the state
+COLLECTIVE = ("rounds", "bytes")
 
 _lock = threading.Lock()
 _bytes = dict.fromkeys(KINDS, 0)
+_collective = dict.fromkeys(COLLECTIVE, 0)
 
 
 def count(kind: str, nbytes: int) -> None:
     """Record a pass of ``kind`` over ``nbytes`` bytes (local, any thread)."""
     with _lock:
         _bytes[kind] += int(nbytes)
+
+
+def collective(nbytes: int, rounds: int = 1) -> None:
+    """Record ``rounds`` completed collective operations that delivered ``nbytes`` to this
+    process (local, any thread)."""
+    with _lock:
+        _collective["rounds"] += rounds
+        _collective["bytes"] += int(nbytes)
+
+
+def collective_counts() -> dict[str, int]:
+    """The collective operations (``rounds``) this process completed and the bytes they
+    delivered to it, so far."""
+    with _lock:
+        return dict(_collective)
 
 
 def snapshot() -> dict[str, int]:

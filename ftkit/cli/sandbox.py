@@ -27,10 +27,11 @@ import logging
 import os
 import select
 import signal
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from ftkit.progress import NoProgress
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +173,9 @@ class _Watch:
         when it stalls, crashes or exits without one."""
         buf = bytearray()
         outcome: dict[str, Any] | None = None
-        deadline = time.monotonic() + self.timeout
+        clock = NoProgress(self.timeout)
         while True:
-            left = deadline - time.monotonic()
+            left = clock.remaining()
             if left <= 0:
                 self._reap(kill=True)
                 raise Stalled(self.where, f"reading it did not progress within "
@@ -186,7 +187,7 @@ class _Watch:
             chunk = os.read(fd, _READ)
             if not chunk:
                 break
-            deadline = time.monotonic() + self.timeout
+            clock.progress()
             buf += chunk
             while (end := buf.find(b"\n")) >= 0:
                 line = bytes(buf[:end])

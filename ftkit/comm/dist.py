@@ -29,39 +29,20 @@ from typing import Any, TypeVar
 import numpy as np
 from mpi4py import MPI
 
+from ftkit import passes
 from ftkit.comm import flag as injob
 from ftkit.errors import CheckpointError, ProtocolTimeout
 from ftkit.jobdir.fatal import record_death, recurs
+from ftkit.progress import MIN_BULK_BANDWIDTH, NoProgress, bulk_seconds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: The slowest rate (bytes/s) at which a bulk transfer may progress before it counts as
-#: stuck: a transfer of ``n`` bytes gets ``FTKIT_TIMEOUT + n / MIN_BULK_BANDWIDTH`` seconds.
-#: 50 MB/s is far below any link ftkit runs on (TCP ~2 GB/s, shared memory ~4 GB/s, a busy
-#: 1 GbE ~100 MB/s), so only a peer that is dead or hung runs into it.
-MIN_BULK_BANDWIDTH = 50e6
 #: Bulk tags start here (tags below are left to other users of the communicator).
 TAG_FLOOR = 1 << 10
 #: Transfers between one pair of ranks for one step before their tags repeat.
 TAG_ORDINALS = 16
 _TAG_KEYS_KEPT = 4096
-#: collective operations this process has completed and the bytes they delivered to it, for
-#: the benchmarks (:func:`collective_counts`)
-_COUNTS = {"rounds": 0, "bytes": 0}
-
-
-def collective_counts() -> dict[str, int]:
-    """A snapshot of the collective operations (``rounds``) this process completed through a
-    :class:`DistComm` and the bytes they delivered to it (local, pure read)."""
-    return dict(_COUNTS)
-
-
-def _counted(nbytes: int, rounds: int = 1) -> None:
-    _COUNTS["rounds"] += rounds
-    _COUNTS["bytes"] += nbytes
-
-
 class DistComm:
     """A duplicated communicator whose collectives honour a timeout and agree on failures."""
 
@@ -96,13 +77,12 @@ class DistComm:
         left as they are: see :meth:`waitall_bulk` for transfers. Under in-job recovery a
         known failure of a peer ends the wait at once (:class:`~ftkit.comm.flag.PeerLost`),
         as does any wait on a communicator of an earlier generation (abandoned threads)."""
-        limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
+        clock = self.deadline(nbytes)
         spin = nbytes is not None if spin is None else spin
-        deadline = time.monotonic() + limit
         pause = 0.0
         while reqs and not MPI.Request.Testall(reqs):
             injob.check(f"phase {phase!r} of step {step}", self.generation)
-            if time.monotonic() > deadline:
+            if clock.expired():
                 raise self.timeout_error(phase, step, nbytes=nbytes)
             time.sleep(pause)
             if not spin:
@@ -119,10 +99,16 @@ class DistComm:
             self.release(reqs, keep, cancel=cancel)
             raise
 
+    def deadline(self, nbytes: int | None = None) -> NoProgress:
+        """The clock of one wait on this communicator, started now: ``FTKIT_TIMEOUT``, or
+        :meth:`bulk_deadline` of ``nbytes`` for a bulk transfer (local)."""
+        limit = self.timeout if nbytes is None else self.bulk_deadline(nbytes)
+        return NoProgress(limit, clock=time.monotonic)
+
     def bulk_deadline(self, nbytes: int) -> float:
         """Seconds a bulk transfer of ``nbytes`` may take before it is an error:
         ``FTKIT_TIMEOUT + nbytes / MIN_BULK_BANDWIDTH`` (local, pure)."""
-        return self.timeout + max(0, nbytes) / MIN_BULK_BANDWIDTH
+        return bulk_seconds(self.timeout, nbytes)
 
     def timeout_error(self, phase: str, step: int | None, *,
                       nbytes: int | None = None) -> ProtocolTimeout:
@@ -198,7 +184,7 @@ class DistComm:
     def barrier(self, phase: str, step: int | None = None) -> None:
         """Barrier with deadline. All ranks call."""
         self.wait(self.comm.Ibarrier(), phase, step)
-        _counted(0)
+        passes.collective(0)
 
     def allreduce_max(self, values: Sequence[int], phase: str, step: int | None = None, *,
                       allow_bytes: int | None = None) -> list[int]:
@@ -209,7 +195,7 @@ class DistComm:
         recv = np.empty_like(send)
         self.wait(self.comm.Iallreduce([send, MPI.INT64_T], [recv, MPI.INT64_T], op=MPI.MAX),
                   phase, step, allow_bytes=allow_bytes)
-        _counted(recv.nbytes)
+        passes.collective(recv.nbytes)
         return [int(v) for v in recv]
 
     def bcast_ints(self, values: Sequence[int], phase: str, step: int | None = None,
@@ -218,7 +204,7 @@ class DistComm:
         ranks call with the same length (only root's values matter)."""
         buf = np.asarray(values, dtype=np.int64).copy()
         self.wait(self.comm.Ibcast([buf, MPI.INT64_T], root=root), phase, step)
-        _counted(buf.nbytes)
+        passes.collective(buf.nbytes)
         return [int(v) for v in buf]
 
     def allgather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
@@ -233,7 +219,7 @@ class DistComm:
         recv = bytearray(sum(counts))
         self.wait(self.comm.Iallgatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE]),
                   phase, step)
-        _counted(len(lens) + len(recv), rounds=2)
+        passes.collective(len(lens) + len(recv), rounds=2)
         return [json.loads(recv[d:d + c]) for d, c in zip(displs, counts)]
 
     def gather(self, obj: Any, phase: str, step: int | None = None, root: int = 0
@@ -246,14 +232,14 @@ class DistComm:
                   phase, step)
         if lens is None:
             self.wait(self.comm.Igatherv([data, MPI.BYTE], None, root=root), phase, step)
-            _counted(0, rounds=2)
+            passes.collective(0, rounds=2)
             return None
         counts = [int.from_bytes(lens[8 * i:8 * i + 8], "little") for i in range(self.size)]
         displs = [sum(counts[:i]) for i in range(self.size)]
         recv = bytearray(sum(counts))
         self.wait(self.comm.Igatherv([data, MPI.BYTE], [recv, counts, displs, MPI.BYTE],
                                      root=root), phase, step)
-        _counted(len(lens) + len(recv), rounds=2)
+        passes.collective(len(lens) + len(recv), rounds=2)
         return [json.loads(recv[d:d + c]) for d, c in zip(displs, counts)]
 
     def bcast(self, obj: Any, phase: str, step: int | None = None, root: int = 0) -> Any:
@@ -263,7 +249,7 @@ class DistComm:
         self.wait(self.comm.Ibcast([size, MPI.BYTE], root=root), phase, step)
         buf = bytearray(data) if self.rank == root else bytearray(int.from_bytes(size, "little"))
         self.wait(self.comm.Ibcast([buf, MPI.BYTE], root=root), phase, step)
-        _counted(len(size) + len(buf), rounds=2)
+        passes.collective(len(size) + len(buf), rounds=2)
         return json.loads(buf)
 
     def agree(self, failure: str | None, phase: str, step: int, *,

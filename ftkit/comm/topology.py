@@ -19,7 +19,7 @@ from ftkit.comm import placement
 from ftkit.comm.dist import install_abort_hooks, keep_children_out_of_mpi
 from ftkit.errors import ConfigError
 from ftkit.jobdir.deathsig import bind_to_launcher
-from ftkit.jobdir.fatal import record_fatal
+from ftkit.jobdir.fatal import recorded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +108,9 @@ class Topology:
         keep_children_out_of_mpi()
         bind_to_launcher()
         world, rank = comm.Get_size(), comm.Get_rank()
-        try:
+        with recorded(rank, ConfigError):
             check_launcher(os.environ, MPI.COMM_WORLD.Get_size())
             dp, ranks_per_node = check_shape(world, tp, pp), ranks_per_node_setting(ranks_per_node)
-        except ConfigError as exc:
-            record_fatal(exc, rank)
-            raise
         if ranks_per_node:
             rank_node = virtual_nodes(world, ranks_per_node)
         else:

@@ -26,13 +26,14 @@ This module imports neither mpi4py nor torch.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,20 @@ def record_fatal(exc: BaseException, rank: int, *, env: Mapping[str, str] | None
     """
     if recurs(exc):
         _write(rank, type(exc).__name__, str(exc), True, env)
+
+
+@contextlib.contextmanager
+def recorded(rank: int | Callable[[], int], *catch: type[BaseException],
+             env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """An entry point's guard: an exception of the ``catch`` types (default FtkitError)
+    raised inside is recorded with :func:`record_fatal` (when it recurs) for ``rank`` (or
+    ``rank()``, asked only then), and propagates. Local."""
+    types = catch or (FtkitError,)
+    try:
+        yield
+    except types as exc:
+        record_fatal(exc, rank() if callable(rank) else rank, env=env)
+        raise
 
 
 def record_death(rank: int, exc: BaseException | None = None, *, aborted: str | None = None,

@@ -74,6 +74,7 @@ from ftkit.launch.outcome import (
     restart_delay,
 )
 from ftkit.launch.spec import RunSpec
+from ftkit.progress import NoProgress
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ class AttemptWatch:
         self.started = False                   # the event log changed since the start
         self.why: str | None = None            # "timeout", "startup" or "stall" once expired
         self._mark = self._first = self._stat()
-        self._progress_at = start
+        self._stalled = NoProgress(stall, now=start)
 
     def _stat(self) -> tuple[int, int, int] | None:
         try:
@@ -226,12 +227,13 @@ class AttemptWatch:
         if self.events is not None and (self.stall or not self.started):
             mark = self._stat()
             if mark != self._mark:
-                self._mark, self._progress_at, self.started = mark, now, True
+                self._mark, self.started = mark, True
+                self._stalled.progress(now=now)
         if now >= self.deadline:
             self.why = "timeout"
         elif not self.started and now >= self.startup_deadline:
             self.why = "startup"
-        elif self.stall and self.events is not None and now >= self._progress_at + self.stall:
+        elif self.stall and self.events is not None and self._stalled.remaining(now) <= 0:
             self.why = "stall"
         return self.why is not None
 

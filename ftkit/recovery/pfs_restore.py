@@ -13,7 +13,6 @@ import concurrent.futures as cf
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,8 +23,9 @@ from ftkit.capture.inplace import live_leaves, plan_reading
 from ftkit.capture.landing import Gate, GatedLanding
 from ftkit.capture.rng import rank_local_indices
 from ftkit.capture.shards import cut_difference
-from ftkit.comm.dist import MIN_BULK_BANDWIDTH, DistComm
+from ftkit.comm.dist import DistComm
 from ftkit.errors import CheckpointError, CorruptCheckpointError, one_line
+from ftkit.progress import NoProgress
 from ftkit.recovery import reshard
 from ftkit.recovery.reshard import Resharded
 from ftkit.recovery.restore import check_fits, load_agreed
@@ -210,24 +210,20 @@ def with_deadline(work: Callable[[Callable[[int], None]], T], what: str, timeout
     is raised: all ranks stuck in the same hung file would otherwise wait forever (no
     collective is pending to time out). Local."""
     box: cf.Future[T] = cf.Future()
-    mark = [time.monotonic(), 0]          # last progress, bytes announced since
-
-    def progress(nbytes: int) -> None:
-        mark[:] = [time.monotonic(), nbytes]
+    clock = NoProgress(timeout)
 
     def run() -> None:
         try:
-            box.set_result(work(progress))
+            box.set_result(work(clock.progress))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             box.set_exception(exc)
     threading.Thread(target=run, name="ftkit-pfs-read", daemon=True).start()
     while True:
-        allowed = timeout + mark[1] / MIN_BULK_BANDWIDTH
-        remaining = mark[0] + allowed - time.monotonic()
+        remaining = clock.remaining()
         if remaining <= 0:
             if gate is not None:
                 gate.close()
-            raise PfsReadTimeout(f"{what} {STALLED} for {allowed:g} s (FTKIT_TIMEOUT); the "
+            raise PfsReadTimeout(f"{what} {STALLED} for {clock.allowed:g} s (FTKIT_TIMEOUT); the "
                                  f"file system or its HDF5 files may be hung")
         try:
             return box.result(timeout=remaining)

@@ -257,7 +257,7 @@ def test_a_save_that_fails_nowhere_costs_three_fixed_size_collectives(ftkit_env)
     one fixed-size allreduce, 72 bytes delivered to each rank whatever the world size (no
     gather of votes, no allgather of failures). A
     failed save gathers the details, and every rank still sees the same failures."""
-    from ftkit.comm.dist import collective_counts
+    from ftkit.passes import collective_counts
     with topology() as topo:
         ckpt = Checkpointer(topo, Config.load(async_=False))
         ckpt.save(1, small_state(RANK, 1))

@@ -22,7 +22,7 @@ from ftkit.errors import (
     StateMismatchError,
     UnrecoverableError,
 )
-from ftkit.jobdir.fatal import FATAL_DIR_ENV, env_rank, read_fatal, record_fatal
+from ftkit.jobdir.fatal import FATAL_DIR_ENV, env_rank, read_fatal, record_fatal, recorded
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,6 +44,22 @@ def test_record_then_read(fatal_dir: Path) -> None:
         "ConfigError", "FTKIT_LEVELS: unknown level 'bogus'", 3)
     assert isinstance(rec["time"], float)
     assert json.loads((fatal_dir / "rank-3.json").read_text()) == rec
+
+
+def test_recorded_guards_an_entry_point(fatal_dir: Path) -> None:
+    """What an entry point raises is recorded (when it recurs) and propagates; the rank is
+    asked only then; other types pass through unrecorded."""
+    asked: list[int] = []
+    with pytest.raises(ValueError), recorded(lambda: asked.append(1) or 5, ConfigError):
+        raise ValueError("not a ConfigError")
+    assert asked == [] and read_fatal(fatal_dir) is None
+    with pytest.raises(ConfigError), recorded(lambda: asked.append(1) or 5, ConfigError):
+        raise ConfigError("tp and pp must be >= 1")
+    with pytest.raises(CheckpointError), recorded(2):     # default: any FtkitError
+        raise CheckpointError(3, {2: "does not recur"})
+    rec = read_fatal(fatal_dir)
+    assert asked == [1] and rec is not None and (rec["rank"], rec["kind"]) == (5, "ConfigError")
+    assert sorted(p.name for p in fatal_dir.iterdir()) == ["rank-5.json"]
 
 
 @pytest.mark.parametrize("exc", [

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from ftkit.config import Config
 from ftkit.errors import LaunchError
 from ftkit.events import read_events
 from ftkit.launch import registry
-from ftkit.launch.base import Request
+from ftkit.launch.base import Launcher, Request
 from ftkit.launch.mpiexec import (
     MPICH,
     OPENMPI,
@@ -273,6 +274,44 @@ def test_resolve_launcher(fake: str) -> None:
             registry.resolve(choice, Request(env))
     with pytest.raises(LaunchError, match="no such executable"):
         registry.resolve("mpiexec", Request({}, mpiexec="/nonexistent/mpiexec"))
+
+
+
+_TOY_RANKS = """
+import os, pathlib, sys
+pathlib.Path(os.environ["FTKIT_DONE_FILE"]).write_text("{}")
+print("toy ranks:", sys.argv[1])
+"""
+
+
+class _ToyLauncher(Launcher):
+    """A launcher defined outside ftkit: its "ranks" are one Python child that completes."""
+
+    name = "toy"
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def command(self, n: int, cmd: Sequence[str]) -> list[str]:
+        return [sys.executable, "-c", _TOY_RANKS, str(n)]
+
+    def environ(self, base: Mapping[str, str]) -> dict[str, str]:
+        return dict(base)
+
+
+def test_a_registered_launcher_runs_the_job(launch_env: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new launcher is one class plus one registry entry: ``ftkit run --launcher toy``
+    builds it from the run's request and the relaunch loop drives it (default hooks)."""
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    assert main(["run", "--launcher", "toy", "-n", "3", "--", "x"]) == 2   # not a choice yet
+    registry.register("toy", _ToyLauncher)
+    assert registry.names() == ("auto", "mpiexec", "srun", "toy")
+    assert main(["run", "--launcher", "toy", "-n", "3", "--", "x"]) == 0
+    [launch] = [e for e in read_events(launch_env / "events.jsonl") if e["event"] == "launch"]
+    assert launch["launcher"] == "toy" and launch["argv"][-1] == "3", launch
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register("toy", _ToyLauncher)
 
 
 # ------------------------------------------------------------ judging and attempt lines

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ftkit import passes
+from ftkit import passes, progress
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm import dist
 from ftkit.comm.dist import DistComm
@@ -236,7 +236,7 @@ def test_waitall_deadline_control_vs_bulk(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_bandwidth_constant_drives_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dist, "MIN_BULK_BANDWIDTH", 1e6)
+    monkeypatch.setattr(progress, "MIN_BULK_BANDWIDTH", 1e6)
     assert DistComm(MPI.COMM_SELF, timeout=1.0, dup=False).bulk_deadline(3_000_000) == 4.0
 
 

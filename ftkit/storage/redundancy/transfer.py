@@ -440,10 +440,10 @@ def exchange(dc: DistComm, sends: list[tuple[Path, int]], recvs: list[tuple[Path
             rx.start()
         nbytes = sum(tx.nbytes for tx in out) + sum(rx.nbytes for rx in into)
         sent = [r for tx in out for r in tx.reqs]
-        deadline = time.monotonic() + dc.bulk_deadline(nbytes)
+        clock = dc.deadline(nbytes)
         # poll every receiver on every pass (a list, not a short-circuiting generator)
         while not (all([rx.poll() for rx in into]) and MPI.Request.Testall(sent)):  # noqa: C419
-            if time.monotonic() > deadline:
+            if clock.expired():
                 raise dc.timeout_error(phase, step, nbytes=nbytes)
             time.sleep(0)
         refused = [rx.error for rx in into if rx.error is not None]
