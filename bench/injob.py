@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from ftkit.testing.procs import rank_processes
 
 REPO = Path(__file__).resolve().parents[1]

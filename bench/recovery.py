@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mpi

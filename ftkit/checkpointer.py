@@ -40,10 +40,10 @@ from ftkit.errors import (
     ConfigError,
     ProtocolTimeout,
 )
-from ftkit.events import append_event, mark_progress
 from ftkit.faults import Faults
 from ftkit.flushes import Flushes
 from ftkit.fs import write_record
+from ftkit.jobdir.events import append_event, mark_progress
 from ftkit.jobdir.fatal import record_death, record_fatal, recorded
 from ftkit.launch.jobs import tidy_requested
 from ftkit.launch.marker import write_done

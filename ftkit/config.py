@@ -16,6 +16,7 @@ from typing import Any
 from ftkit import levelnames
 from ftkit.errors import ConfigError
 from ftkit.faults import parse_faults
+from ftkit.jobdir import paths
 from ftkit.jobdir.fatal import env_rank, recorded
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -206,7 +207,7 @@ class Config:
 
     @property
     def events_path(self) -> Path:
-        return self.job_pfs_dir / "events.jsonl"
+        return self.job_pfs_dir / paths.EVENTS
 
     # ------------------------------------------------------------------ loading
     @classmethod

@@ -102,7 +102,7 @@ class StateMismatchError(CheckpointError):
 
 
 class JobLockedError(ConfigError):
-    """Another instance of the same job holds its lock (:mod:`ftkit.joblock`): two writers
+    """Another instance of the same job holds its lock (:mod:`ftkit.jobdir.lock`): two writers
     of one job would destroy each other's checkpoints. The message names the job, the
     holder (host, pid, role) and what to do. A ConfigError: ``ftkit run`` does not retry it."""
 

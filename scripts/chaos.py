@@ -42,7 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from ftkit.testing.procs import rank_processes
 
 TOY = REPO / "examples" / "toy_dp.py"

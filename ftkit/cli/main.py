@@ -23,6 +23,7 @@ from typing import Any
 from ftkit.cli.fmt import human, tree_size
 from ftkit.config import LOG_LEVELS, Config
 from ftkit.errors import ConfigError, LaunchError
+from ftkit.jobdir import paths
 
 log = logging.getLogger(__name__)
 
@@ -474,15 +475,9 @@ class _Layout:
         return _Layout(f"{self.dirs}|{other.dirs}", files, None)
 
 
-#: $FTKIT_PFS_DIR/<job> and $FTKIT_LOCAL_DIR/<job> (docs/formats.md); ``.<name>.tmp``
-#: files are ftkit's atomic writes cut short.
-_TMP = r"\..+\.tmp(-\d+)?"
-_PFS_LAYOUT = _Layout(r"step-\d+|attempt-\d+\.fatal|\.early",
-                      r"events\.jsonl|RUN|LOCK|\.done-attempt-\d+(\.pending)?|\.stop-request"
-                      rf"|slurm-slots\.(json|tmp)|{_TMP}")
-_LOCAL_LAYOUT = _Layout(r"node-\d+", "",
-                        _Layout(r"(parked-)?step-\d+|slots",
-                                rf"LOCK|\.probe-rank-\d+|{_TMP}"))
+#: $FTKIT_PFS_DIR/<job> and $FTKIT_LOCAL_DIR/<job> (ftkit.jobdir.paths)
+_PFS_LAYOUT = _Layout(paths.PFS_DIRS, paths.PFS_FILES, None)
+_LOCAL_LAYOUT = _Layout(paths.LOCAL_DIRS, "", _Layout(paths.NODE_DIRS, paths.NODE_FILES, None))
 
 
 def _clean_targets(cfg: Config) -> dict[Path, _Layout]:
@@ -515,7 +510,7 @@ def _unsafe_local(cfg: Config, found: list[Path]) -> list[Path]:
 def _running(job: str, found: list[Path]) -> list[Path]:
     """The directories in ``found`` whose job lock (``LOCK``, or ``node-*/LOCK`` below a
     node-local job directory) is held now: the job is running; each refusal is printed."""
-    from ftkit.joblock import LOCK_FILE, describe, held_by
+    from ftkit.jobdir.lock import LOCK_FILE, describe, held_by
     busy = []
     for path in found:
         for lock in [path / LOCK_FILE, *sorted(path.glob(f"node-*/{LOCK_FILE}"))]:

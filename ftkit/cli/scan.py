@@ -22,6 +22,7 @@ import xxhash
 
 from ftkit.cli.fmt import human
 from ftkit.errors import CorruptCheckpointError
+from ftkit.jobdir import paths
 from ftkit.storage.pfs import h5files
 from ftkit.storage.pfs.h5data import BlockSums
 from ftkit.storage.pfs.hdf5 import COMMITTED, INDEX
@@ -180,7 +181,7 @@ def resolve(text: str) -> Target:
         if not steps and _is_step_dir(path):
             ref = StepRef(_step_number(path), path, path / INDEX)
             return Target(path, _job_of(path), [ref], True)
-        if steps or os.path.lexists(path / "events.jsonl"):
+        if steps or os.path.lexists(path / paths.EVENTS):
             return Target(path, path, [StepRef(n, d, d / INDEX) for n, d in steps], False)
         jobs = sorted(p.name for p in path.iterdir() if p.is_dir() and step_dirs(p))
     except PermissionError as exc:

@@ -17,9 +17,9 @@ from typing import Any
 
 from ftkit.cli.fmt import human, tree_size
 from ftkit.config import Config
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from ftkit.jobdir.identity import RUN_FILE
-from ftkit.joblock import LOCK_FILE, describe, held_by
+from ftkit.jobdir.lock import LOCK_FILE, describe, held_by
 from ftkit.launch.jobs import jobs_in
 from ftkit.launch.orphans import held_locks, this_host_job_dir
 from ftkit.storage.stepnames import step_dirs

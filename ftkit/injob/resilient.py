@@ -310,7 +310,7 @@ def _started(gen: Any) -> None:
     first generation's gather needed them all): ``ftkit run`` watches for it (its start-up
     deadline; a process that dies during MPI_Init leaves the others waiting there)."""
     from ftkit.config import Config
-    from ftkit.events import append_event, mark_progress
+    from ftkit.jobdir.events import append_event, mark_progress
     if gen.world.Get_rank() != 0:
         return
     cfg = Config.load()
@@ -325,7 +325,7 @@ def _started(gen: Any) -> None:
 def _event(rebuilt: Any, old: Any) -> None:
     """Logical rank 0 of the new generation records the recovery (``in-job`` event)."""
     from ftkit.config import Config
-    from ftkit.events import append_event
+    from ftkit.jobdir.events import append_event
     a = rebuilt.assignment
     try:
         cfg = Config.load()

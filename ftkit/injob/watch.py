@@ -138,7 +138,7 @@ def _hung_event(ring: heartbeat.Ring, silent: float, ended: bool) -> None:
     """Record a hung process (``hung`` event) and say so on stderr. Never raises."""
     from ftkit.config import Config
     from ftkit.errors import FtkitError
-    from ftkit.events import append_event
+    from ftkit.jobdir.events import append_event
     peer = ring.peer
     try:
         cfg = Config.load()

@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 from ftkit.fs import write_record
+from ftkit.jobdir import paths
 
-RUN_FILE = "RUN"
+RUN_FILE = paths.RUN
 LAUNCH_ID_ENV = "FTKIT_LAUNCH_ID"
 log = logging.getLogger(__name__)
 

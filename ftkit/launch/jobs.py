@@ -22,8 +22,8 @@ from typing import Any
 
 from ftkit.config import Config
 from ftkit.errors import ConfigError
+from ftkit.jobdir import paths
 
-EVENTS = "events.jsonl"
 NEWEST = ""                 # --resume without a job: the most recently active job
 #: Set to ``1`` by ``ftkit run`` (not ``--keep-local``): a successful end removes node-local copies.
 TIDY_ENV = "FTKIT_TIDY_LOCAL"
@@ -50,7 +50,7 @@ def jobs_in(pfs_dir: Path) -> list[str]:
     found = []
     for entry in entries:
         try:
-            mtime = os.stat(os.path.join(entry.path, EVENTS)).st_mtime
+            mtime = os.stat(os.path.join(entry.path, paths.EVENTS)).st_mtime
         except OSError:
             continue
         found.append((mtime, entry.name))

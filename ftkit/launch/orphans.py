@@ -25,7 +25,7 @@ from typing import Any
 
 from ftkit.config import Config
 from ftkit.errors import JobLockedError
-from ftkit.joblock import LOCK_FILE, describe, held_by, may_take_over
+from ftkit.jobdir.lock import LOCK_FILE, describe, held_by, may_take_over
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def node_locks(job_local: Path) -> list[Path]:
 def held_locks(job_local: Path, me: Mapping[str, Any] | None = None
                ) -> dict[Path, dict[str, Any]]:
     """``{lock file: holder}`` of the job's node-local locks held now (this host's view),
-    but those a node leader of ``me`` (a :func:`~ftkit.joblock.holder_record`) may take over
-    (:func:`~ftkit.joblock.may_take_over`: a requeued Slurm job's predecessor, a holder
+    but those a node leader of ``me`` (a :func:`~ftkit.jobdir.lock.holder_record`) may take over
+    (:func:`~ftkit.jobdir.lock.may_take_over`: a requeued Slurm job's predecessor, a holder
     that has ended)."""
     held = {}
     for path in node_locks(job_local):

@@ -51,11 +51,12 @@ from typing import Any, TextIO
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import append_event, restored_step
+from ftkit.jobdir import paths
 from ftkit.jobdir.deathsig import die_with
+from ftkit.jobdir.events import append_event, restored_step
 from ftkit.jobdir.fatal import FATAL_DIR_ENV, first_recurring, read_records
 from ftkit.jobdir.identity import LAUNCH_ID_ENV, new_run_id
-from ftkit.joblock import LOCK_FILE, JobLock, holder_record
+from ftkit.jobdir.lock import JobLock, holder_record
 from ftkit.launch import marker
 from ftkit.launch.base import Launcher, Recovery
 from ftkit.launch.failures import (
@@ -86,17 +87,17 @@ _POLL_S = 0.25        # how often a waiting loop re-checks deadlines (not a sync
 
 def done_file_path(cfg: Config, attempt: int) -> Path:
     """Absolute path of attempt ``attempt``'s completion marker."""
-    return Path(os.path.abspath(cfg.job_pfs_dir / f".done-attempt-{attempt}"))
+    return paths.done_file(cfg.job_pfs_dir, attempt)
 
 
 def stop_file_path(cfg: Config) -> Path:
     """Where ``ftkit run`` asks the running attempt to stop (``$FTKIT_STOP_FILE``)."""
-    return Path(os.path.abspath(cfg.job_pfs_dir / ".stop-request"))
+    return paths.stop_file(cfg.job_pfs_dir)
 
 
 def fatal_dir_path(cfg: Config, attempt: int) -> Path:
     """Absolute path of attempt ``attempt``'s ``FTKIT_FATAL_DIR`` (every node sees the PFS)."""
-    return Path(os.path.abspath(cfg.job_pfs_dir / f"attempt-{attempt}.fatal"))
+    return paths.fatal_dir(cfg.job_pfs_dir, attempt)
 
 
 def attempt_env(base: Mapping[str, str], attempt: int, done_file: Path,
@@ -342,7 +343,7 @@ def _event(cfg: Config, event: str, **fields: Any) -> None:
 def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
             base_env: Mapping[str, str] | None = None, out: TextIO | None = None) -> int:
     """Run attempts 0..``spec.max_restarts`` until one succeeds; return the exit status.
-    Holds the job's PFS lock (:mod:`ftkit.joblock`) throughout: JobLockedError, before
+    Holds the job's PFS lock (:mod:`ftkit.jobdir.lock`) throughout: JobLockedError, before
     anything runs, when another instance of the job holds it, or when ranks of a killed
     ``ftkit run`` still hold its node-local locks (:mod:`ftkit.launch.orphans`). The
     launcher of every attempt gets SIGTERM when this process dies."""
@@ -351,7 +352,7 @@ def run_job(spec: RunSpec, cfg: Config, launcher: Launcher,
     base_env.pop(TIDY_ENV, None)
     if spec.tidy:
         base_env[TIDY_ENV] = "1"
-    lock = JobLock(cfg.job_pfs_dir / LOCK_FILE, cfg.job)
+    lock = JobLock(cfg.job_pfs_dir / paths.LOCK, cfg.job)
     me = holder_record("ftkit run", base_env)
     try:
         cfg.job_pfs_dir.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ftkit.errors import LaunchError
-from ftkit.events import read_events
 from ftkit.fs import write_text_atomic
+from ftkit.jobdir import paths
 from ftkit.jobdir.env import SPARES_ENV
+from ftkit.jobdir.events import read_events
 from ftkit.launch.base import Launcher, Recovery, Request
 from ftkit.launch.mpiexec import ULFM_ARGS, MpiexecLauncher, build_command, launch_env
 from ftkit.slurm.env import SlurmEnv, compress_hostlist
@@ -68,7 +69,7 @@ class SlurmLauncher(Launcher):
         spec, cfg = request.spec, request.cfg
         if spec is None or cfg is None:
             raise LaunchError("the Slurm launcher needs the run's spec and configuration")
-        return cls(mpi, senv, spec.n, spec.spares, cfg.job_pfs_dir / "slurm-slots.json",
+        return cls(mpi, senv, spec.n, spec.spares, cfg.job_pfs_dir / paths.SLURM_SLOTS,
                    shrink=spec.shrink, in_job=spec.in_job)
 
     def __init__(self, mpi: MpiexecLauncher, senv: SlurmEnv, n: int, spares: int,
@@ -156,7 +157,7 @@ class SlurmLauncher(Launcher):
         if not self.in_job or not self.launched:
             return {}
         recoveries: list[dict[str, object]] = []
-        for event in read_events(self.state_file.parent / "events.jsonl"):
+        for event in read_events(self.state_file.parent / paths.EVENTS):
             if event.get("event") == "launch":
                 recoveries = []
             elif event.get("event") == "in-job":

@@ -3,7 +3,7 @@ a successful end gives back.
 
 A :class:`~ftkit.Checkpointer` claims its job when it is built (every node leader locks its
 node's local directory, rank 0 the job's PFS directory unless ``ftkit run`` holds that lock;
-see :mod:`ftkit.joblock`) and releases the claim in ``close()``. When ``ftkit run`` asks for it
+see :mod:`ftkit.jobdir.lock`) and releases the claim in ``close()``. When ``ftkit run`` asks for it
 (``FTKIT_TIDY_LOCAL=1``, unless ``--keep-local``) and the job ended well with its newest
 committed step on the PFS, every node leader removes its node's local directory on release:
 a finished job leaves no copies in node memory. Nothing is lost: a later ``--resume``
@@ -25,7 +25,7 @@ from ftkit.comm.topology import Topology
 from ftkit.config import Config
 from ftkit.errors import ConfigError, JobLockedError
 from ftkit.jobdir import identity
-from ftkit.joblock import LOCK_FILE, JobLock, holder_record
+from ftkit.jobdir.lock import LOCK_FILE, JobLock, holder_record
 from ftkit.storage.private import remove_entry
 
 log = logging.getLogger(__name__)

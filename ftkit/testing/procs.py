@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ftkit.joblock import process_state
+from ftkit.jobdir.lock import process_state
 
 
 def rank_processes(cwd: Path, world_ranks: list[int]) -> dict[int, int]:

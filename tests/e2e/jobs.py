@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = REPO / "examples" / "toy_dp.py"

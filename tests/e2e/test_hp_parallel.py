@@ -178,7 +178,7 @@ def test_seed_from_a_torch_dcp_checkpoint(reference: RunLayout, tmp_path: Path) 
     import os
     import sys
 
-    from ftkit.events import read_events
+    from ftkit.jobdir.events import read_events
     from ftkit.launch.mpiexec import MpiexecLauncher
     model = tmp_path / "model.pt"
     proc = subprocess.run([*FTKIT, "export", str(reference((1, 1, 1)).pfs / "e2e"), "--only",

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from ftkit.testing.procs import rank_processes
 from tests.e2e.jobs import FTKIT, TOY, Result, job_env, run_toy
 

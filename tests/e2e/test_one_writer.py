@@ -1,4 +1,4 @@
-"""One job, one writer (ftkit.joblock): a second instance of a running job is refused at once,
+"""One job, one writer (ftkit.jobdir.lock): a second instance of a running job is refused at once,
 whether launched by ``ftkit run`` or by ``mpiexec`` directly, and the first ends bit-exact; a
 holder that was killed does not block the next run, which resumes its steps.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.joblock import LOCK_FILE, held_by
+from ftkit.jobdir.lock import LOCK_FILE, held_by
 from tests.e2e.jobs import FTKIT, TOY, job_env, run_toy
 
 LEVELS = "local:1,partner:1"

@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from tests.e2e.jobs import run_toy
 
 LEVELS = "local:1,pfs:3"

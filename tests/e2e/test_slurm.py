@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from ftkit.slurm.sbatch import SbatchSpec, render_sbatch
 from ftkit.testing.procs import rank_processes
 from tests.e2e.jobs import REPO, TOY, job_env, run_toy

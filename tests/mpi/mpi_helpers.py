@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import ftkit
 from ftkit.comm.topology import Topology
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()

@@ -11,7 +11,7 @@ import pytest
 
 import ftkit
 from ftkit.cli.main import main
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 
 from .mpi_helpers import RANK, WORLD, events, from_rank0, topology
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ftkit.config import Config
-from ftkit.joblock import LOCK_FILE, held_by
+from ftkit.jobdir.lock import LOCK_FILE, held_by
 from ftkit.recovery.claim import JobClaim
 
 

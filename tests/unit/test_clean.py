@@ -214,7 +214,7 @@ def test_running_job_is_refused(roots: tuple[Path, Path], where: str,
     pfs, local = roots
     make_job(pfs, local, "j")
     lock = pfs / "j" / "LOCK" if where == "pfs" else local / "j" / "node-1" / "LOCK"
-    hold = ("import sys; from pathlib import Path; from ftkit.joblock import JobLock, "
+    hold = ("import sys; from pathlib import Path; from ftkit.jobdir.lock import JobLock, "
             "holder_record; l = JobLock(Path(sys.argv[1]), 'j'); "
             "l.acquire(holder_record('ftkit run'), what='t'); print('locked', flush=True); "
             "sys.stdin.read()")

@@ -16,8 +16,8 @@ import pytest
 
 from ftkit.capture.flatten import flatten
 from ftkit.capture.staging import Stager
-from ftkit.events import append_event, mark_progress, read_events
 from ftkit.jobdir import identity
+from ftkit.jobdir.events import append_event, mark_progress, read_events
 from ftkit.launch import marker
 from ftkit.storage.pfs import hdf5
 from ftkit.storage.shard import Shard, write_shard

@@ -27,7 +27,7 @@ import pytest
 from ftkit.cli.main import build_parser, main
 from ftkit.config import Config
 from ftkit.errors import ConfigError, LaunchError
-from ftkit.events import append_event, read_events
+from ftkit.jobdir.events import append_event, read_events
 from ftkit.launch import outcome, relaunch
 from ftkit.launch import registry as launch_registry
 from ftkit.launch import spec as spec_module
@@ -295,7 +295,7 @@ def test_stall_reason_in_the_attempt_line() -> None:
 _CHILD = """
 import os, sys, time
 from ftkit.config import Config
-from ftkit.events import append_event
+from ftkit.jobdir.events import append_event
 plan = sys.argv[1].split(",")
 what = plan[min(int(os.environ["FTKIT_ATTEMPT"]), len(plan) - 1)]
 if what == "silent":
@@ -363,7 +363,7 @@ def test_stalled_attempt_is_relaunched_and_progress_keeps_one_alive(job: Path) -
 _UNLOADABLE = """
 import os, sys
 from ftkit.config import Config
-from ftkit.events import append_event
+from ftkit.jobdir.events import append_event
 if sys.argv[1] == "after-start":
     append_event(Config.load().events_path, "restore", step=0)
 print("Traceback (most recent call last):", file=sys.stderr)

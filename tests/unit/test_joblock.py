@@ -1,4 +1,4 @@
-"""The job lock (ftkit.joblock): a second holder is refused with the holder named, a dead
+"""The job lock (ftkit.jobdir.lock): a second holder is refused with the holder named, a dead
 holder never blocks, a predecessor's lock is taken over. Holders are real child processes."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from ftkit import joblock
 from ftkit.errors import ConfigError, JobLockedError
-from ftkit.joblock import JobLock, held_by, holder_record, predecessor
+from ftkit.jobdir import lock as joblock
+from ftkit.jobdir.lock import JobLock, held_by, holder_record, predecessor
 
 HOLD = """
 import json, sys
 from pathlib import Path
-from ftkit.joblock import JobLock
+from ftkit.jobdir.lock import JobLock
 lock = JobLock(Path(sys.argv[1]), "j")
 lock.acquire(json.loads(sys.argv[2]), what="test")
 print("locked", flush=True)
@@ -106,7 +106,7 @@ def test_dead_holder_never_blocks(tmp_path: Path, holders: list[Holder]) -> None
 FORKING = """
 import json, os, sys, time
 from pathlib import Path
-from ftkit.joblock import JobLock, holder_record
+from ftkit.jobdir.lock import JobLock, holder_record
 lock = JobLock(Path(sys.argv[1]), "j")
 lock.acquire(holder_record("node leader of node 1", env={}), what="test")
 if os.fork() == 0:               # a data loader worker: shares the open file, and the flock

@@ -132,8 +132,8 @@ def test_status_lists_jobs_and_tells_one_in_detail(tmp_path: Path,
     """``ftkit status`` on a job tree as ftkit writes it: PFS and node-local committed steps
     (an uncommitted one is not counted), the run id, the last events, the lock holder."""
     from ftkit.cli.main import main
-    from ftkit.events import append_event
-    from ftkit.joblock import LOCK_FILE, JobLock, holder_record
+    from ftkit.jobdir.events import append_event
+    from ftkit.jobdir.lock import LOCK_FILE, JobLock, holder_record
     pfs, local = tmp_path / "pfs", tmp_path / "local"
     monkeypatch.setenv("FTKIT_PFS_DIR", str(pfs))
     monkeypatch.setenv("FTKIT_LOCAL_DIR", str(local))

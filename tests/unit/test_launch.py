@@ -23,7 +23,7 @@ import pytest
 from ftkit.cli.main import main
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import read_events
+from ftkit.jobdir.events import read_events
 from ftkit.launch import registry
 from ftkit.launch.base import Launcher, Request
 from ftkit.launch.mpiexec import (
@@ -333,7 +333,7 @@ def test_attempt_lines_match_the_contract() -> None:
 def test_resumed_step_is_this_runs_attempts(tmp_path: Path) -> None:
     """The step an attempt restored comes from its own ``restore`` event: one after the
     ``launch`` event of that attempt (an earlier run of the job had attempts too)."""
-    from ftkit.events import append_event, restored_step
+    from ftkit.jobdir.events import append_event, restored_step
     log = tmp_path / "events.jsonl"
     for event, attempt, step in (("launch", 0, None), ("restore", 0, 7), ("launch", 0, None),
                                  ("restore", 0, 0), ("launch", 1, None), ("restore", 1, 12),

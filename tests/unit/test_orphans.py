@@ -15,7 +15,7 @@ import pytest
 
 from ftkit.errors import JobLockedError
 from ftkit.jobdir.deathsig import die_with
-from ftkit.joblock import LOCK_FILE, JobLock, holder_record
+from ftkit.jobdir.lock import LOCK_FILE, JobLock, holder_record
 from ftkit.launch.orphans import held_locks, wait_for_orphans
 from ftkit.testing.procs import process_gone
 
@@ -76,7 +76,7 @@ def test_a_node_lock_still_held_is_waited_for_then_refused(tmp_path: Path) -> No
 
 def test_a_requeued_slurm_jobs_node_lock_is_left_to_its_takeover(tmp_path: Path) -> None:
     """A node leader of the previous instance of a requeued Slurm job may still hold its
-    lock: the new instance's node leaders take it over (ftkit.joblock), so ftkit run does
+    lock: the new instance's node leaders take it over (ftkit.jobdir.lock), so ftkit run does
     not wait for it."""
     job_local = tmp_path / "local" / "j"
     lock = JobLock(job_local / "node-0" / LOCK_FILE, "j")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ftkit.config import Config
 from ftkit.errors import LaunchError
-from ftkit.events import append_event, read_events
+from ftkit.jobdir.events import append_event, read_events
 from ftkit.launch.base import Launcher, Recovery
 from ftkit.launch.mpiexec import SPARES_ENV, MpiexecLauncher
 from ftkit.launch.relaunch import _Interrupt, run_job, stop_file_path

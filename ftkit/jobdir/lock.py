@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from ftkit.errors import JobLockedError
+from ftkit.jobdir import paths
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "LOCK"
+LOCK_FILE = paths.LOCK
 TAKEOVER_GRACE = 30.0          # seconds an earlier attempt of the same ftkit run may take to die
 _POLL = 0.1
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
