@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ftkit.cli.args import error, non_negative_int
 from ftkit.cli.fmt import human, tree_size
 from ftkit.config import Config
+from ftkit.errors import ConfigError
 from ftkit.jobdir.events import read_events
 from ftkit.jobdir.identity import RUN_FILE
 from ftkit.jobdir.lock import LOCK_FILE, describe, held_by
@@ -151,3 +153,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print_job(st)
     return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ftkit status [JOB] [--json] [--events N]``."""
+    p = sub.add_parser(
+        "status", help="where a job stands: running or not, steps per level, last events",
+        description="Without JOB: every job under $FTKIT_PFS_DIR (most recently active "
+                    "last): whether an ftkit run holds it, its newest PFS step, its last "
+                    "outcome. With JOB: its run id, committed steps with sizes on the PFS and "
+                    "in the node-local directories this host sees, and its last events. Plain "
+                    "file reads. Exit 0; 1: no such job.")
+    p.add_argument("job", metavar="JOB", nargs="?", help="the job id (FTKIT_JOB)")
+    p.add_argument("--json", action="store_true", help="one JSON document")
+    p.add_argument("--events", type=non_negative_int, default=5, metavar="N",
+                   help="how many of the last events to show (default 5)")
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    try:
+        return cmd_status(args)
+    except ConfigError as exc:
+        return error("status", exc)
