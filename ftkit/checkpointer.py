@@ -119,6 +119,7 @@ class Checkpointer:
             # rank's early write has started
             early.remove_stale(config.job_pfs_dir / early.STAGING)
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
+        self.restorer = recovery.Restorer(self.dc, self.levels, self.faults, self._emit)
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
                             self.faults, run_id=self.run_id) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
@@ -182,10 +183,9 @@ class Checkpointer:
         if self.config.start == "fresh":
             self._start_fresh()
             return 0
-        found = recovery.discover(self.dc, self.levels, self.faults, self._emit,
-                                  run_id=self.run_id, rank_node=list(self.topo.rank_node),
-                                  layout={"dp": self.topo.dp, "tp": self.topo.tp,
-                                          "pp": self.topo.pp})
+        found = self.restorer.discover(run_id=self.run_id, rank_node=list(self.topo.rank_node),
+                                       layout={"dp": self.topo.dp, "tp": self.topo.tp,
+                                               "pp": self.topo.pp})
         discover_s = round(time.monotonic() - t0, 6)     # includes any rebuild
         step, level, pfs_unusable = self._load_newest(found, state)
         if not step and (found.unusable() or pfs_unusable):
@@ -216,8 +216,7 @@ class Checkpointer:
                 pfs_unusable.update(unusable)
                 if pfs_step:
                     return pfs_step, "pfs", pfs_unusable
-            if not found.step or recovery.try_load(self.dc, self.levels, self.faults, found,
-                                                   state, self._emit):
+            if not found.step or self.restorer.try_load(found, state):
                 return found.step, "local", pfs_unusable
 
     def save(self, step: int, state: State) -> None:

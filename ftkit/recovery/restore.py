@@ -37,7 +37,8 @@ from ftkit.errors import (
 )
 from ftkit.faults import Faults
 from ftkit.recovery import rebuild
-from ftkit.recovery.plan import make_plan
+from ftkit.recovery.plan import Plan, make_plan
+from ftkit.storage.level import Report
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.shard import Shard, leaves_of
@@ -69,31 +70,167 @@ class Discovery:
         return dict(sorted({**self.skipped, **self.excluded}.items(), reverse=True))
 
 
-def discover(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None], *,
-             run_id: str | None = None, rank_node: list[int] | None = None,
-             layout: dict[str, int] | None = None) -> Discovery:
-    """Agree on the newest committed step every rank can load, rebuilding lost shards when
-    a redundancy level allows. Steps whose COMMITTED record names another world size,
-    another DP x TP x PP ``layout`` or another run are excluded (see :class:`Discovery`;
-    the PFS level reshards); a step saved with another rank to
-    node map is tried like any other, and its reason says how the map differs. Nothing is
-    deleted here. All ranks call."""
-    faults.fire("restore-discover", None)
-    local = levels.local
-    mine = {"node": local.root.name, "steps": _inventory(local)}
-    gathered = dc.allgather(mine, "restore-discover")
-    nodes = [g["node"] for g in gathered]
-    every = [g["steps"] for g in gathered]
-    committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
-                       reverse=True)
-    excluded = _other_identity(every, committed, dc.size, run_id, local.root.parent, layout)
-    committed = [s for s in committed if s not in excluded]
-    levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
-                 or ["local"] for s in committed}
-    found = Discovery(0, committed, {}, levels_of, excluded=excluded, nodes=nodes,
-                      inventories=every, rank_node=rank_node)
-    _scan(dc, levels, faults, emit, found, committed)
-    return found
+class Restorer:
+    """The restore over the node-local levels of one rank: discover the newest step every
+    rank can load (rebuilding lost shards where a redundancy level allows), then load it.
+    Holds what every step of it needs: the communicator, the levels, the fault hooks and
+    the event sink. Its public methods are collectives: all ranks call them."""
+
+    def __init__(self, dc: DistComm, levels: Levels, faults: Faults,
+                 emit: Callable[..., None]) -> None:
+        self.dc, self.levels, self.faults, self.emit = dc, levels, faults, emit
+
+    def discover(self, *, run_id: str | None = None, rank_node: list[int] | None = None,
+                 layout: dict[str, int] | None = None) -> Discovery:
+        """Agree on the newest committed step every rank can load, rebuilding lost shards when
+        a redundancy level allows. Steps whose COMMITTED record names another world size,
+        another DP x TP x PP ``layout`` or another run are excluded (see :class:`Discovery`;
+        the PFS level reshards); a step saved with another rank to node map is tried like
+        any other, and its reason says how the map differs. Nothing is deleted here. All
+        ranks call."""
+        dc, local = self.dc, self.levels.local
+        self.faults.fire("restore-discover", None)
+        mine = {"node": local.root.name, "steps": _inventory(local)}
+        gathered = dc.allgather(mine, "restore-discover")
+        nodes = [g["node"] for g in gathered]
+        every = [g["steps"] for g in gathered]
+        committed = sorted({int(s) for inv in every for s, v in inv.items() if v["c"]},
+                           reverse=True)
+        excluded = _other_identity(every, committed, dc.size, run_id, local.root.parent, layout)
+        committed = [s for s in committed if s not in excluded]
+        levels_of = {s: sorted({lv for inv in every for lv in inv.get(str(s), {}).get("levels", [])})
+                     or ["local"] for s in committed}
+        found = Discovery(0, committed, {}, levels_of, excluded=excluded, nodes=nodes,
+                          inventories=every, rank_node=rank_node)
+        self._scan(found, committed)
+        return found
+
+    def try_load(self, found: Discovery, state: MutableMapping[str, Any]) -> bool:
+        """Load ``found.step`` into ``state``. Every rank decodes its shard's header into a
+        tree whose tensors are the live tensors that can take their bytes in place
+        (:mod:`ftkit.capture.inplace`) or new buffers; once every rank's state is agreed to fit
+        (else the same StateMismatchError everywhere: an older step would not fit either), each
+        tensor is read into its destination in one pass, its checksum computed as the bytes
+        land, and the rest is loaded into ``state``. *Any* failure to read, decode or verify on
+        any rank makes the step unusable everywhere (one-line reason per rank in
+        ``found.skipped``, the log and a ``restore-skip`` event), discovery goes on with the
+        older committed steps and False is returned: ``found.step`` then names the next usable
+        step (0: none). Nothing is deleted. True once loaded.
+
+        A checksum that fails while reading can leave some live tensors overwritten: the caller
+        then loads an older step or a PFS step over all of them, or raises (a skipped step makes
+        a restore that finds nothing else an :class:`UnrecoverableError`), so ``state`` is never
+        returned half old, half new. All ranks call."""
+        dc, step = self.dc, found.step
+        reading: Reading | None = None
+        with contextlib.ExitStack() as stack:
+            failure = None
+            try:
+                self.faults.fire("restore-load", step)
+                shard = stack.enter_context(self.levels.local.open_shard(step))
+                reading = _plan_reading(shard, dc.rank, step, state)
+            except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
+                failure = one_line(exc)
+            if not self._agreed_loadable(found, step, failure):
+                return False
+            assert reading is not None
+            check_fits(dc, state, reading.tree, step)     # nothing is written unless all fit
+            try:
+                _read_checked(shard, reading, dc.rank, step)
+            except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
+                failure = one_line(exc)
+            if not self._agreed_loadable(found, step, failure):
+                return False
+        load_agreed(dc, state, reading.tree, step)
+        return True
+
+    def _scan(self, found: Discovery, steps: list[int]) -> None:
+        """Set ``found.step`` to the first of ``steps`` (newest first) that every rank holds
+        intact or can rebuild; record every step before it in ``found.skipped``. All ranks
+        call."""
+        for step in steps:
+            plan, reports = self._plan_step(found, step)
+            if plan.ok:
+                found.step = step
+                return
+            failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
+            named = "".join(f" (rank {r}: {f})" for r, f in list(failures.items())[:4])
+            self._skip(found, step, failures, str(plan.unrecoverable) + named
+                       + _layout_note(found.inventories, step, found.rank_node))
+
+    def _plan_step(self, found: Discovery, step: int) -> tuple[Plan, list[Report]]:
+        """Gather every rank's report of ``step``, plan, and rebuild what is lost; a rebuild
+        that fails (a copy or parity damaged: discovery read headers only) makes discovery look
+        at the step again with every byte, once. Returns the plan and the reports. All ranks
+        call."""
+        dc, levels = self.dc, self.levels
+        while True:
+            report = rebuild.local_report(levels, step, dc.size, found.levels_of[step],
+                                          data=step in found.verify)
+            reports = dc.allgather(report, "restore-discover", step)
+            plan = make_plan(step, reports, found.levels_of[step], levels.covers(), found.nodes)
+            if plan.ok and plan.lost:
+                plan.unrecoverable = self._try_rebuild(plan, reports, found.levels_of[step],
+                                                       found.nodes)
+                if not plan.ok and step not in found.verify:
+                    if dc.rank == 0:
+                        log.warning("restore: %s; looking at step %d again, every byte",
+                                    plan.unrecoverable, step)
+                    found.verify.add(step)
+                    continue
+            return plan, reports
+
+    def _skip(self, found: Discovery, step: int, failures: dict[int, str], reason: str) -> None:
+        """Record that committed ``step`` is unusable (the same on every rank): in
+        ``found.skipped``, the log (rank 0) and a ``restore-skip`` event. All ranks call."""
+        found.skipped[step] = reason
+        if self.dc.rank == 0:
+            detail = "; ".join(f"rank {r}: {f}" for r, f in failures.items())
+            log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
+                        step, detail or "no shard lost", reason)
+        self.emit("restore-skip", step=step, failures=failures, reason=reason)
+
+    def _try_rebuild(self, plan: Plan, reports: list[Report], step_levels: list[str],
+                     nodes: list[str]) -> str | None:
+        lost_nodes = sorted({nodes[r] for r in plan.lost})
+        t0 = time.monotonic()
+        try:
+            rebuild.execute(self.dc, self.levels, self.faults, plan, reports, step_levels)
+        except CheckpointError as exc:
+            return f"rebuild of step {plan.step} failed: {exc}"
+        seconds = round(time.monotonic() - t0, 6)
+        if self.dc.rank == 0:
+            log.warning("restore: step %d: rebuilt the shards of ranks %s (lost on %s) from %s",
+                        plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(plan.how()))
+        self.emit("rebuild", step=plan.step, ranks=plan.lost, nodes=lost_nodes,
+                  from_partner=plan.from_partner, seconds=seconds,
+                  erasure={lv: {str(k): v for k, v in per.items()}
+                           for lv, per in plan.erasure.items()},
+                  by_level=plan.parts)
+        return None
+
+    def _agreed_loadable(self, found: Discovery, step: int, failure: str | None) -> bool:
+        """Agree whether every rank could read ``step``; if not, skip it and rescan the older
+        committed steps (``found.step``: the next usable one, 0 when none). All ranks call."""
+        if failure is not None:
+            log.warning("rank %d: cannot load step %d: %s", self.dc.rank, step, failure)
+        failures = self.dc.agree(failure, "restore-load", step)
+        if not failures:
+            return True
+        if step not in found.verify:
+            # discovery read no tensor byte: look at the step again, every byte of every
+            # rank's shard, so a damaged shard is rebuilt from redundancy where the levels
+            # allow (the caller then loads it again), else the step is skipped with the reason
+            found.verify.add(step)
+            found.step = 0
+            self._scan(found, [s for s in found.committed if s <= step])
+            return False
+        reason = f"step {step} could not be loaded: " + "; ".join(
+            f"rank {r}: {f}" for r, f in failures.items())
+        self._skip(found, step, failures, reason if len(reason) <= 1000 else reason[:997] + "...")
+        found.step = 0
+        self._scan(found, [s for s in found.committed if s < step])
+        return False
 
 
 def _inventory(local: LocalLevel) -> dict[str, dict[str, Any]]:
@@ -114,57 +251,6 @@ def _inventory(local: LocalLevel) -> dict[str, dict[str, Any]]:
             info = {"w": None, "levels": [], "run": None, "nodes": None}
         out[str(s)] = {"c": v["committed"], **info}
     return out
-
-
-def _scan(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None],
-          found: Discovery, steps: list[int]) -> None:
-    """Set ``found.step`` to the first of ``steps`` (newest first) that every rank holds
-    intact or can rebuild; record every step before it in ``found.skipped``. All ranks
-    call."""
-    for step in steps:
-        plan, reports = _plan_step(dc, levels, faults, emit, found, step)
-        if plan.ok:
-            found.step = step
-            return
-        failures = {r: rep["own"] for r, rep in enumerate(reports) if rep["own"] is not None}
-        named = "".join(f" (rank {r}: {f})" for r, f in list(failures.items())[:4])
-        _skip(dc, found, step, failures, str(plan.unrecoverable) + named
-              + _layout_note(found.inventories, step, found.rank_node), emit)
-
-
-def _plan_step(dc: DistComm, levels: Levels, faults: Faults, emit: Callable[..., None],
-               found: Discovery, step: int) -> tuple[Any, list[Any]]:
-    """Gather every rank's report of ``step``, plan, and rebuild what is lost; a rebuild
-    that fails (a copy or parity damaged: discovery read headers only) makes discovery look
-    at the step again with every byte, once. Returns the plan and the reports. All ranks
-    call."""
-    while True:
-        report = rebuild.local_report(levels, step, dc.size, found.levels_of[step],
-                                      data=step in found.verify)
-        reports = dc.allgather(report, "restore-discover", step)
-        plan = make_plan(step, reports, found.levels_of[step], levels.covers(), found.nodes)
-        if plan.ok and plan.lost:
-            plan.unrecoverable = _try_rebuild(dc, levels, faults, plan, reports,
-                                              found.levels_of[step], emit, found.nodes)
-            if not plan.ok and step not in found.verify:
-                if dc.rank == 0:
-                    log.warning("restore: %s; looking at step %d again, every byte",
-                                plan.unrecoverable, step)
-                found.verify.add(step)
-                continue
-        return plan, reports
-
-
-def _skip(dc: DistComm, found: Discovery, step: int, failures: dict[int, str], reason: str,
-          emit: Callable[..., None]) -> None:
-    """Record that committed ``step`` is unusable (the same on every rank): in
-    ``found.skipped``, the log (rank 0) and a ``restore-skip`` event. All ranks call."""
-    found.skipped[step] = reason
-    if dc.rank == 0:
-        detail = "; ".join(f"rank {r}: {f}" for r, f in failures.items())
-        log.warning("restore: committed step %d is unusable, trying an older one: %s. %s",
-                    step, detail or "no shard lost", reason)
-    emit("restore-skip", step=step, failures=failures, reason=reason)
 
 
 def _layout_note(every: list[dict[str, Any]], step: int, now: list[int] | None) -> str:
@@ -197,26 +283,6 @@ def unrecoverable_error(found: Discovery, where: Any, pfs_unusable: dict[int, st
           "(or FTKIT_START=fresh), or remove its checkpoints with `ftkit clean <job>`")
 
 
-def _try_rebuild(dc: DistComm, levels: Levels, faults: Faults, plan: Any, reports: Any,
-                 step_levels: list[str], emit: Callable[..., None], nodes: list[str]
-                 ) -> str | None:
-    lost_nodes = sorted({nodes[r] for r in plan.lost})
-    t0 = time.monotonic()
-    try:
-        rebuild.execute(dc, levels, faults, plan, reports, step_levels)
-    except CheckpointError as exc:
-        return f"rebuild of step {plan.step} failed: {exc}"
-    seconds = round(time.monotonic() - t0, 6)
-    if dc.rank == 0:
-        log.warning("restore: step %d: rebuilt the shards of ranks %s (lost on %s) from %s",
-                    plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(plan.how()))
-    emit("rebuild", step=plan.step, ranks=plan.lost, nodes=lost_nodes,
-         from_partner=plan.from_partner, seconds=seconds,
-         erasure={lv: {str(k): v for k, v in per.items()} for lv, per in plan.erasure.items()},
-         by_level=plan.parts)
-    return None
-
-
 def _other_identity(every: list[dict[str, Any]], committed: list[int], world: int,
                     run_id: str | None, where: Any, layout: dict[str, int] | None = None
                     ) -> dict[int, str]:
@@ -247,73 +313,6 @@ def _other_identity(every: list[dict[str, Any]], committed: list[int], world: in
 
 def _layout_text(layout: dict[str, int]) -> str:
     return " ".join(f"{k}{layout.get(k)}" for k in ("dp", "tp", "pp"))
-
-
-def try_load(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,
-             state: MutableMapping[str, Any], emit: Callable[..., None]) -> bool:
-    """Load ``found.step`` into ``state``. Every rank decodes its shard's header into a
-    tree whose tensors are the live tensors that can take their bytes in place
-    (:mod:`ftkit.capture.inplace`) or new buffers; once every rank's state is agreed to fit
-    (else the same StateMismatchError everywhere: an older step would not fit either), each
-    tensor is read into its destination in one pass, its checksum computed as the bytes
-    land, and the rest is loaded into ``state``. *Any* failure to read, decode or verify on
-    any rank makes the step unusable everywhere (one-line reason per rank in
-    ``found.skipped``, the log and a ``restore-skip`` event), discovery goes on with the
-    older committed steps and False is returned: ``found.step`` then names the next usable
-    step (0: none). Nothing is deleted. True once loaded.
-
-    A checksum that fails while reading can leave some live tensors overwritten: the caller
-    then loads an older step or a PFS step over all of them, or raises (a skipped step makes
-    a restore that finds nothing else an :class:`UnrecoverableError`), so ``state`` is never
-    returned half old, half new. All ranks call."""
-    step = found.step
-    reading: Reading | None = None
-    with contextlib.ExitStack() as stack:
-        failure = None
-        try:
-            faults.fire("restore-load", step)
-            shard = stack.enter_context(levels.local.open_shard(step))
-            reading = _plan_reading(shard, dc.rank, step, state)
-        except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
-            failure = one_line(exc)
-        if not _agreed_loadable(dc, levels, faults, found, step, failure, emit):
-            return False
-        assert reading is not None
-        check_fits(dc, state, reading.tree, step)     # nothing is written unless all fit
-        try:
-            _read_checked(shard, reading, dc.rank, step)
-        except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
-            failure = one_line(exc)
-        if not _agreed_loadable(dc, levels, faults, found, step, failure, emit):
-            return False
-    load_agreed(dc, state, reading.tree, step)
-    return True
-
-
-def _agreed_loadable(dc: DistComm, levels: Levels, faults: Faults, found: Discovery,
-                     step: int, failure: str | None, emit: Callable[..., None]) -> bool:
-    """Agree whether every rank could read ``step``; if not, skip it and rescan the older
-    committed steps (``found.step``: the next usable one, 0 when none). All ranks call."""
-    if failure is not None:
-        log.warning("rank %d: cannot load step %d: %s", dc.rank, step, failure)
-    failures = dc.agree(failure, "restore-load", step)
-    if not failures:
-        return True
-    if step not in found.verify:
-        # discovery read no tensor byte: look at the step again, every byte of every
-        # rank's shard, so a damaged shard is rebuilt from redundancy where the levels
-        # allow (the caller then loads it again), else the step is skipped with the reason
-        found.verify.add(step)
-        found.step = 0
-        _scan(dc, levels, faults, emit, found, [s for s in found.committed if s <= step])
-        return False
-    reason = f"step {step} could not be loaded: " + "; ".join(
-        f"rank {r}: {f}" for r, f in failures.items())
-    _skip(dc, found, step, failures, reason if len(reason) <= 1000 else reason[:997] + "...",
-          emit)
-    found.step = 0
-    _scan(dc, levels, faults, emit, found, [s for s in found.committed if s < step])
-    return False
 
 
 def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> Reading:

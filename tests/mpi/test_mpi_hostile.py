@@ -143,8 +143,7 @@ def test_damaged_shard_is_rebuilt_from_its_partner_copy(ftkit_env, damage):
 
 
 def _discover(ckpt: Checkpointer, topo: Any) -> recovery.Discovery:
-    return recovery.discover(ckpt.dc, ckpt.levels, ckpt.faults, ckpt._emit,
-                             run_id=ckpt.run_id, rank_node=list(topo.rank_node))
+    return ckpt.restorer.discover(run_id=ckpt.run_id, rank_node=list(topo.rank_node))
 
 
 def test_final_load_failure_falls_back_to_the_older_step(ftkit_env):
@@ -160,9 +159,9 @@ def test_final_load_failure_falls_back_to_the_older_step(ftkit_env):
         if RANK == 1:
             flip_byte(ftkit_env.step_dir(0, 2) / "rank-1.ftk")
         WORLD.Barrier()
-        loaded = recovery.try_load(ckpt.dc, ckpt.levels, ckpt.faults, found, state, ckpt._emit)
+        loaded = ckpt.restorer.try_load(found, state)
         second = found.step
-        again = recovery.try_load(ckpt.dc, ckpt.levels, ckpt.faults, found, state, ckpt._emit)
+        again = ckpt.restorer.try_load(found, state)
         skipped = dict(found.skipped)
         ckpt.close()
     assert allgather((first, loaded, second, again)) == [(2, False, 1, True)] * 4
@@ -186,7 +185,7 @@ def test_final_load_failure_of_the_only_step_names_it(ftkit_env):
             flip_byte(ftkit_env.step_dir(1, 1) / "rank-3.ftk")
         WORLD.Barrier()
         files = step_files(ftkit_env.local_dir)
-        loaded = recovery.try_load(ckpt.dc, ckpt.levels, ckpt.faults, found, state, ckpt._emit)
+        loaded = ckpt.restorer.try_load(found, state)
         error = str(recovery.unrecoverable_error(found, ckpt.local.root.parent, {}))
         ckpt.close()
     assert allgather((loaded, found.step, error)) == [(False, 0, error)] * 4
