@@ -2,6 +2,7 @@
 import-linter's two contracts in pyproject.toml hold (``lint-imports``), and ``import ftkit`` loads none of the launcher, Slurm or CLI modules."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -31,3 +32,8 @@ def test_import_ftkit_loads_no_launcher_slurm_or_cli_module() -> None:
     loaded = res.stdout.split()
     upper = [m for m in loaded if m.startswith(("ftkit.launch.", "ftkit.slurm", "ftkit.cli"))]
     assert upper == [], upper
+    stated = re.search(r"loads (\d+) of ftkit's modules",
+                       (ROOT / "docs" / "architecture.md").read_text())
+    assert stated is not None and int(stated.group(1)) == len(loaded), (
+        f"docs/architecture.md states {stated and stated.group(1)} modules, "
+        f"import ftkit loads {len(loaded)}: {loaded}")
