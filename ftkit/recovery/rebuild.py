@@ -1,5 +1,6 @@
-"""Execute a recovery :class:`~ftkit.recovery.plan.Plan`: rebuild lost shards over MPI, verify
-them, then re-encode the step's redundancy so the next failure is covered too.
+"""Execute a recovery :class:`~ftkit.recovery.plan.Plan`: rebuild lost shards over MPI, then
+re-protect what the loss took (the copies and parity it held) so the next failure is covered
+too.
 
 Every function here is a collective over the whole job: all ranks call it with the same plan.
 Failures anywhere become the same CheckpointError on every rank.
@@ -20,9 +21,11 @@ log = logging.getLogger(__name__)
 
 
 def execute(dc: DistComm, levels: Levels, faults: Faults, plan: Plan,
-            reports: Sequence[Report], step_levels: Sequence[str]) -> None:
-    """Rebuild (each redundancy level of the step its part, in encode order), verify,
-    re-encode. All ranks call."""
+            reports: Sequence[Report], step_levels: Sequence[str]) -> list[str]:
+    """Rebuild (each redundancy level of the step its part, in encode order), check the
+    rebuilt shards are in place, and re-protect what the loss took (only that: the copies and
+    parity the reports name lost). Returns what was re-protected, one phrase per level that
+    had to. All ranks call."""
     step = plan.step
 
     def _rebuild(level: Redundancy, have: list[bool], first: bool) -> None:
@@ -37,15 +40,21 @@ def execute(dc: DistComm, levels: Levels, faults: Faults, plan: Plan,
                "restore-rebuild", step)
         for r in level.cover.rebuilt(plan.parts.get(level.name, {})):
             have[r] = True
-    dc.run(lambda: _verify(levels, plan, dc.size), "restore-rebuild", step)
+    dc.run(lambda: _in_place(levels, plan, dc.size), "restore-rebuild", step)
+    done: list[str] = []
     for level in levels.redundancy(step_levels):
-        dc.run(lambda lv=level: lv.encode(step), "restore-rebuild", step)  # type: ignore[misc]
+        done += dc.run(lambda lv=level: lv.reprotect(step, reports),  # type: ignore[misc]
+                       "restore-rebuild", step)
+    return done
 
 
-def _verify(levels: Levels, plan: Plan, world: int) -> None:
-    if levels.local.rank not in plan.lost:
-        return
-    levels.local.check_shard(plan.step, world)
+def _in_place(levels: Levels, plan: Plan, world: int) -> None:
+    """A rebuilt shard is in its place with a valid header. Its bytes were verified as they
+    landed (a copy streamed in, chunk by chunk) or before they were written (a decoded
+    shard, against its recorded checksum), and the load verifies them once more as it
+    reads them: no pass over them here."""
+    if levels.local.rank in plan.lost:
+        levels.local.check_shard(plan.step, world, data=False)
 
 
 def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[str], *,

@@ -195,7 +195,8 @@ class Restorer:
         lost_nodes = sorted({nodes[r] for r in plan.lost})
         t0 = time.monotonic()
         try:
-            rebuild.execute(self.dc, self.levels, self.faults, plan, reports, step_levels)
+            again = rebuild.execute(self.dc, self.levels, self.faults, plan, reports,
+                                    step_levels)
         except CheckpointError as exc:
             return f"rebuild of step {plan.step} failed: {exc}"
         seconds = round(time.monotonic() - t0, 6)
@@ -206,7 +207,7 @@ class Restorer:
                   from_partner=plan.from_partner, seconds=seconds,
                   erasure={lv: {str(k): v for k, v in per.items()}
                            for lv, per in plan.erasure.items()},
-                  by_level=plan.parts)
+                  by_level=plan.parts, reprotected=again)
         return None
 
     def _agreed_loadable(self, found: Discovery, step: int, failure: str | None) -> bool:

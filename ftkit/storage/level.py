@@ -118,6 +118,14 @@ class Redundancy(Level):
         is intact or was rebuilt by a level before this one). Every rank calls with the same
         arguments; a rank with nothing to do returns."""
 
+    def reprotect(self, step: int, reports: Sequence[Report]) -> list[str]:
+        """After a rebuild of ``step`` (every shard intact again): re-establish what the
+        reports say this level lost, and say what that was (one phrase each; empty: nothing
+        was lost). The default re-encodes the whole step. Every rank calls with the same
+        reports."""
+        self.encode(step)
+        return [f"{self.name}: step re-encoded"]
+
     @abc.abstractmethod
     def free(self) -> None:
         """Unmap the level's slots and free its communicator. Local."""

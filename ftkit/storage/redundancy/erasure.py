@@ -195,6 +195,8 @@ def _solvable(layout: Layout, lost_idx: list[int], data_ok: list[bool],
 class ErasureLevel(Redundancy):
     """One rank's membership in one erasure set (``xor``: p = 1, ``rs``: p >= 1)."""
 
+    cover: ErasureCover
+
     @classmethod
     def builder(cls, name: str, size: str, parity: str | int
                 ) -> Callable[[Site], ErasureLevel]:
@@ -470,6 +472,16 @@ class ErasureLevel(Redundancy):
 
     def unusable(self, why: str) -> dict[str, Any]:
         return {"error": why}
+
+    def reprotect(self, step: int, reports: Sequence[Report]) -> list[str]:
+        """Re-encode only the sets in which a member's parity is missing or damaged (their
+        members' shards are intact again); the parity of the other sets still matches.
+        Every rank calls; the members of such a set encode together."""
+        redo = [sid for sid, members in enumerate(self.cover.sets)
+                if members and not all(parity_ok(reports[r], self.name) for r in members)]
+        if self.set_id in redo:
+            self.encode(step)
+        return [f"{self.name}: parity of sets {redo} encoded again"] if redo else []
 
     def rebuild(self, step: int, part: Any, reports: Sequence[Report],
                 have: Sequence[bool]) -> None:

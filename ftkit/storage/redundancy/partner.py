@@ -68,6 +68,7 @@ class PartnerLevel(Redundancy):
     """Rank-side partner level. ``partners[r]`` holds rank r's copy."""
 
     name = "partner"
+    cover: PartnerCover
 
     @classmethod
     def build(cls, site: Site) -> PartnerLevel:
@@ -161,15 +162,34 @@ class PartnerLevel(Redundancy):
     def unusable(self, why: str) -> dict[str, str | None]:
         return {str(q): why for q in self.sources}
 
+    def reprotect(self, step: int, reports: Sequence[Report]) -> list[str]:
+        """Send again only the copies the reports name missing or damaged (those a lost node
+        held): each such source streams its shard to its partner, nothing else moves. Every
+        rank calls (with the same reports)."""
+        lost = [q for q, holder in enumerate(self.partners)
+                if (reports[holder].get(self.name) or {}).get(str(q), "missing") is not None]
+        if not lost:
+            return []
+        mine = self.local.shard_path(step)
+        sends = [(mine, self.partners[self.rank])] if self.rank in lost else []
+        recvs = [(self.copy_path(step, q), q) for q in self.sources if q in lost]
+        if recvs:
+            self.local.ensure_step_dir(step)
+        exchange(self.dc, sends, recvs, "restore-rebuild", step, verify=self._verify(step),
+                 slots=self.slots)
+        return [f"{self.name}: copies of ranks {lost} sent again"]
+
     def rebuild(self, step: int, part: Any, reports: Sequence[Report] = (),
                 have: Sequence[bool] = ()) -> None:
-        """Send the copies I hold of the ``part`` ranks to them; they receive their shard.
-        Every rank calls (a rank that neither holds nor lost one returns at once)."""
+        """Send the copies I hold of the ``part`` ranks to them; each receives its shard
+        straight into a free slot of its node-local level (chunk by chunk, each checked as
+        it lands), published as its shard. Every rank calls (a rank that neither holds nor
+        lost one returns at once)."""
         lost = list(part)
         sends = [(self.copy_path(step, q), q) for q in self.sources if q in lost]
+        holder = self.partners[self.rank]
         if self.rank in lost:
             self.local.ensure_step_dir(step)
-        recvs = [(self.local.shard_path(step), self.partners[self.rank])] \
-            if self.rank in lost else []
+        recvs = [(self.local.shard_path(step), holder)] if self.rank in lost else []
         exchange(self.dc, sends, recvs, "restore-rebuild", step,
-                 verify=self._verify(step, mine=True))
+                 verify=self._verify(step, mine=True), slots={holder: self.local.slots})

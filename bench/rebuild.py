@@ -1,0 +1,153 @@
+"""A lost node comes back: the whole restore after a node lost its directory, per level, next
+to its bounds in the same run.
+
+    python bench/rebuild.py [--ranks 2] [--size-mib 256] [--repeat 3] [--out bench/results]
+
+Relaunches itself under the venv's mpiexec, one virtual node per rank (every copy crosses
+"nodes"). Each rank's state is ``--size-mib`` of float32 (distinct per rank). For every
+level — ``partner``, ``xor`` (a set of all ranks), ``rs`` (a set of all ranks, 1 parity
+block) — step 1 is saved once (sync) with ``local:1,<level>:1,pfs:1``; then every round
+times, in turn, on the same ranks:
+
+* ``nothing_lost[level]``: a new ``Checkpointer`` and ``restore`` with every node's
+  directory intact (what a relaunch costs at best);
+* ``lost[level]``: the same after the last rank's node directory was removed (the
+  benchmark removes it before the timed part): discovery, rebuild over MPI, re-protection
+  and the load;
+* ``p2p``: one MPI send of the state's bytes to the next rank (the bound of moving what was
+  lost once);
+* ``pfs_cold``: every node directory removed and the PFS files' pages dropped from the page
+  cache: the restore reads the step from the PFS (``local:1,pfs:1``).
+
+Seconds are from a barrier before the ``Checkpointer`` to a barrier after ``restore``; the
+figure is the median of the rounds, with min and max; ratios are medians of per-round
+ratios. One extra restore per level, after the rounds, is measured with
+``bench/_mpi.costs``: passes over the state by kind (``ftkit.passes``), CPU seconds and
+the peak resident memory above the one before it (the most any rank paid). Prints one
+line per figure and writes ``rebuild.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _disk
+import _mpi
+
+LEVELS = ("partner", "xor", "rs")
+
+
+def _child(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+
+    import ftkit
+    from ftkit import Checkpointer, Config
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.rank, comm.size
+    n = (args.size_mib << 20) // 4
+    with _mpi.scratch(comm, "/dev/shm", "/tmp") as (local_root, pfs_root):
+        os.environ.update(FTKIT_LOCAL_DIR=str(local_root), FTKIT_PFS_DIR=str(pfs_root),
+                          FTKIT_RANKS_PER_NODE="1", FTKIT_ASYNC="0")
+        topo = ftkit.Topology.create(comm)
+        host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        saved = np.random.default_rng(rank).random(n, dtype=np.float32)
+
+        def config(level: str | None, job: str) -> Config:
+            levels = f"local:1,{level}:1,pfs:1" if level else "local:1,pfs:1"
+            return Config.load(job=job, levels=levels, xor_set=world, rs_set=world,
+                               rs_parity=1)
+
+        def restore(cfg: Config) -> None:
+            state = {"w": np.zeros(n, dtype=np.float32)}
+            ckpt = Checkpointer(topo, cfg)
+            step = ckpt.restore(state)
+            ckpt.close()
+            assert step == 1 and np.array_equal(state["w"], saved), (rank, step)
+
+        def lose(cfg: Config, ranks: set[int]) -> None:
+            comm.Barrier()
+            if rank in ranks:
+                shutil.rmtree(cfg.node_dir(rank), ignore_errors=True)
+            comm.Barrier()
+
+        cfgs = {level: config(level, f"rb-{level}") for level in LEVELS}
+        cfgs["pfs"] = config(None, "rb-pfs")
+        for cfg in cfgs.values():
+            ckpt = Checkpointer(topo, cfg)
+            ckpt.save(1, {"w": saved})
+            ckpt.close()
+        out, back = np.ones(n, np.float32), np.empty(n, np.float32)
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+        def p2p() -> None:
+            MPI.Request.Waitall([comm.Isend([out, MPI.FLOAT], nxt),
+                                 comm.Irecv([back, MPI.FLOAT], prv)])
+
+        rounds: dict[str, list[float]] = {}
+        last = {world - 1}
+        for _ in range(max(1, args.repeat)):
+            rounds.setdefault("p2p", []).append(_mpi.timed(comm, p2p))
+            for level in LEVELS:
+                cfg = cfgs[level]
+                rounds.setdefault(f"nothing_lost[{level}]", []).append(
+                    _mpi.timed(comm, lambda c=cfg: restore(c)))
+                lose(cfg, last)
+                rounds.setdefault(f"lost[{level}]", []).append(
+                    _mpi.timed(comm, lambda c=cfg: restore(c)))
+            cfg = cfgs["pfs"]
+            lose(cfg, set(range(world)))
+            _disk.drop_pages(host, cfg.job_pfs_dir)
+            rounds.setdefault("pfs_cold", []).append(_mpi.timed(comm, lambda c=cfg: restore(c)))
+        costs = {}
+        for level in LEVELS:
+            lose(cfgs[level], last)
+            costs[level] = _mpi.costs(comm, lambda c=cfgs[level]: restore(c), n * 4)
+        if rank == 0:
+            _report(args, world, rounds, costs)
+
+
+def _report(args: argparse.Namespace, world: int, rounds: dict[str, list[float]],
+            costs: dict[str, Any]) -> None:
+    med = {k: _mpi.spread(v) for k, v in rounds.items()}
+    lines = [f"{k}: {v['median']:.3f} s (min {v['min']:.3f}, max {v['max']:.3f})"
+             for k, v in med.items()]
+    ratios = {}
+    for level in LEVELS:
+        lost = rounds[f"lost[{level}]"]
+        ratios[f"lost_vs_nothing_lost[{level}]"] = _mpi.spread(
+            [a / b for a, b in zip(lost, rounds[f"nothing_lost[{level}]"])])
+        ratios[f"pfs_cold_vs_lost[{level}]"] = _mpi.spread(
+            [b / a for a, b in zip(lost, rounds["pfs_cold"])])
+        ratios[f"lost_vs_p2p[{level}]"] = _mpi.spread(
+            [a / b for a, b in zip(lost, rounds["p2p"])])
+    lines += [f"{k}: {v['median']:.2f}x (min {v['min']:.2f}, max {v['max']:.2f})"
+              for k, v in ratios.items()]
+    lines += [f"costs[{level}]: {json.dumps(c)}" for level, c in costs.items()]
+    print("\n".join(lines), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"command": "python bench/rebuild.py " + " ".join(
+                  a for a in sys.argv[1:] if a != "--child"),
+              "machine": _mpi.machine(), "ranks": world, "size_mib": args.size_mib,
+              "seconds": med, "ratios": ratios, "costs": costs}
+    (out / "rebuild.json").write_text(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    ap = _mpi.parser(__doc__ or "")
+    ap.set_defaults(ranks=2, size_mib=256)
+    args = ap.parse_args()
+    _mpi.run(__file__, args, _child)
+
+
+if __name__ == "__main__":
+    main()
