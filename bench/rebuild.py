@@ -9,8 +9,9 @@ level — ``partner``, ``xor`` (a set of all ranks), ``rs`` (a set of all ranks,
 block) — step 1 is saved once (sync) with ``local:1,<level>:1,pfs:1``; then every round
 times, in turn, on the same ranks:
 
-* ``nothing_lost[level]``: a new ``Checkpointer`` and ``restore`` with every node's
-  directory intact (what a relaunch costs at best);
+* ``nothing_lost[level]``: a new ``Checkpointer``, ``restore`` into a live state (its pages
+  touched before, as a trained model's are) and ``close``, with every node's directory
+  intact (what a relaunch costs at best);
 * ``lost[level]``: the same after the last rank's node directory was removed (the
   benchmark removes it before the timed part): discovery, rebuild over MPI, re-protection
   and the load;
@@ -66,8 +67,11 @@ def _child(args: argparse.Namespace) -> None:
             return Config.load(job=job, levels=levels, xor_set=world, rs_set=world,
                                rs_parity=1)
 
-        def restore(cfg: Config) -> None:
-            state = {"w": np.zeros(n, dtype=np.float32)}
+        def live() -> dict[str, np.ndarray]:
+            """A live state to restore into (its pages touched, as a trained model's are)."""
+            return {"w": np.full(n, -1.0, dtype=np.float32)}
+
+        def restore(cfg: Config, state: dict[str, np.ndarray]) -> None:
             ckpt = Checkpointer(topo, cfg)
             step = ckpt.restore(state)
             ckpt.close()
@@ -98,19 +102,24 @@ def _child(args: argparse.Namespace) -> None:
             rounds.setdefault("p2p", []).append(_mpi.timed(comm, p2p))
             for level in LEVELS:
                 cfg = cfgs[level]
+                state = live()
                 rounds.setdefault(f"nothing_lost[{level}]", []).append(
-                    _mpi.timed(comm, lambda c=cfg: restore(c)))
+                    _mpi.timed(comm, lambda c=cfg, st=state: restore(c, st)))
                 lose(cfg, last)
+                state = live()
                 rounds.setdefault(f"lost[{level}]", []).append(
-                    _mpi.timed(comm, lambda c=cfg: restore(c)))
-            cfg = cfgs["pfs"]
+                    _mpi.timed(comm, lambda c=cfg, st=state: restore(c, st)))
+            cfg, state = cfgs["pfs"], live()
             lose(cfg, set(range(world)))
             _disk.drop_pages(host, cfg.job_pfs_dir)
-            rounds.setdefault("pfs_cold", []).append(_mpi.timed(comm, lambda c=cfg: restore(c)))
+            rounds.setdefault("pfs_cold", []).append(
+                _mpi.timed(comm, lambda c=cfg, st=state: restore(c, st)))
         costs = {}
         for level in LEVELS:
             lose(cfgs[level], last)
-            costs[level] = _mpi.costs(comm, lambda c=cfgs[level]: restore(c), n * 4)
+            state = live()
+            costs[level] = _mpi.costs(comm, lambda c=cfgs[level], st=state: restore(c, st),
+                                      n * 4)
         if rank == 0:
             _report(args, world, rounds, costs)
 

@@ -530,7 +530,7 @@ class Checkpointer:
         usable = [s for s in found.committed if s <= step and s not in found.skipped]
         for s in reversed(usable):                      # oldest first: newest wins
             self.level_last.update({lv: s for lv in found.levels_of[s]})
-        if level == "pfs":
+        if level == "pfs" or (step and self._on_pfs(step)):
             self.level_last["pfs"] = step
             self.flushes.last_flushed = step
         self.last_committed = step or None
@@ -542,6 +542,15 @@ class Checkpointer:
         self.local.park({s for s in self.local.steps() if s > step})
         self.local.retain(set(usable[:2]) | set(self.level_last.values()))
         self.dc.barrier("restore-load", step)
+
+    def _on_pfs(self, step: int) -> bool:
+        """Is ``step`` committed on the PFS (rank 0 looks, every rank learns it)? A step
+        restored from a node-local level often is: ``close()`` then has nothing to flush.
+        All ranks call."""
+        if self.pfs is None:
+            return False
+        return bool(self.dc.bcast(step in self.pfs.committed_steps() if self.topo.rank == 0
+                                  else None, "restore-load", step))
 
     def _start_fresh(self) -> None:
         """``FTKIT_START=fresh``: delete this job's checkpoints on every level (node leaders

@@ -61,6 +61,30 @@ def test_a_failed_flush_removes_nothing(ftkit_env) -> None:
     assert flushes == [(1, []), (2, []), (4, [1])], flushes
 
 
+def test_close_after_a_restore_does_not_flush_a_step_the_pfs_holds(ftkit_env) -> None:
+    """Step 2 was flushed when due; a new Checkpointer restores it from the node-local level
+    and closes without saving: the PFS step is not written again (before: close() flushed
+    it anew, with a warning about an older timeline)."""
+    levels = "local:1,pfs:2"
+    with topology() as topo:
+        ckpt = Checkpointer(topo, Config.load(levels=levels))
+        for step in (1, 2):
+            ckpt.save(step, small_state(RANK, step))
+        ckpt.close()
+        committed = ftkit_env.pfs_dir / ftkit_env.job / "step-2" / "COMMITTED"
+        before = allgather(committed.stat().st_ino)
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(levels=levels))
+        assert ckpt.restore(state) == 2
+        ckpt.close()
+        assert ckpt.last_flushed == 2
+    assert allgather(committed.stat().st_ino) == before
+    flushes = [e["step"] for e in events(ftkit_env.events_path) if e["event"] == "flush"]
+    restores = [(e["step"], e["level"]) for e in events(ftkit_env.events_path)
+                if e["event"] == "restore"]
+    assert flushes == [2] and restores == [(2, "local")], (flushes, restores)
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_close_flushes_the_final_step_that_was_not_due(ftkit_env, async_) -> None:
     """``local:1,pfs:4``, steps 1-6: step 4 is flushed when due; the final step 6 is not
