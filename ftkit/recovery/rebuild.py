@@ -64,7 +64,7 @@ def local_report(levels: Levels, step: int, world: int, step_levels: Sequence[st
     a one-line reason (never an exception: every rank must reach the next collective).
     Without ``data`` no tensor byte is read, only headers: the load verifies the own shard's
     bytes as it reads them, a rebuild verifies the copies and parity it uses (streamed
-    copies chunk by chunk, every rebuilt shard completely). Local."""
+    copies chunk by chunk, a decoded shard against its recorded checksum). Local."""
     report: Report = {"own": None}
     try:
         levels.local.check_shard(step, world, data=data)
