@@ -10,10 +10,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -75,19 +76,57 @@ def costs(comm: Any, fn: Callable[[], object], state_bytes: int) -> dict[str, An
     state's ``state_bytes`` bytes by kind (counted by ftkit's code paths, ``ftkit.passes``),
     ``cpu_s`` (CPU seconds of the process, every thread, waits inside ``fn`` included) and
     ``peak_extra_mib`` (peak resident memory during ``fn`` above the resident memory before
-    it; Linux ``VmHWM``, reset first). Every rank calls."""
+    it; Linux ``VmHWM``, reset first: it counts mapped node-local files too) and
+    ``peak_private_mib`` (peak private resident memory above the one before, sampled every
+    millisecond: memory no file holds). Every rank calls."""
     from ftkit import passes
     comm.Barrier()
     reset_peak()
     rss, before, cpu = status_kib("VmRSS"), passes.snapshot(), time.process_time()
-    fn()
+    private = private_bytes()
+    with PrivatePeak() as sampled:
+        fn()
     cpu = time.process_time() - cpu
     moved = passes.passes(passes.since(before), state_bytes)
     peak = max(0, status_kib("VmHWM") - rss)
-    every = comm.allgather((moved, cpu, peak))
-    return {"passes": {k: round(max(m[k] for m, _, _ in every), 3) for k in moved},
-            "cpu_s": round(max(c for _, c, _ in every), 4),
-            "peak_extra_mib": round(max(p for _, _, p in every) / 1024, 1)}
+    extra = max(0, sampled.peak - private)
+    every = comm.allgather((moved, cpu, peak, extra))
+    return {"passes": {k: round(max(m[k] for m, *_ in every), 3) for k in moved},
+            "cpu_s": round(max(e[1] for e in every), 4),
+            "peak_extra_mib": round(max(e[2] for e in every) / 1024, 1),
+            "peak_private_mib": round(max(e[3] for e in every) / 2 ** 20, 1)}
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class PrivatePeak:
+    """Samples this process's private resident memory (statm resident - shared) every
+    millisecond on a thread while in use; ``peak`` in bytes."""
+
+    def __init__(self) -> None:
+        self.peak = private_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, private_bytes())
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, private_bytes())
+
+
+def private_bytes() -> int:
+    """Resident bytes of this process that no file backs (statm resident - shared)."""
+    fields = Path("/proc/self/statm").read_text().split()
+    return (int(fields[1]) - int(fields[2])) * PAGE
 
 
 def reset_peak() -> None:

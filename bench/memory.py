@@ -27,47 +27,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _mpi
 import levels
+from _mpi import PrivatePeak, private_bytes
 
 WARMUP = 2
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-class PrivatePeak:
-    """Samples this process's private resident memory (statm resident - shared) every
-    millisecond on a thread while in use; ``peak`` in bytes."""
-
-    def __init__(self) -> None:
-        self.peak = private_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, private_bytes())
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, private_bytes())
-
-
-def private_bytes() -> int:
-    """Resident bytes of this process that no file backs (statm resident - shared)."""
-    fields = Path("/proc/self/statm").read_text().split()
-    return (int(fields[1]) - int(fields[2])) * PAGE
-
-
 def node_local_bytes(root: Path) -> int:
     """Allocated bytes of the files under ``root``, each inode once (hard links)."""
     seen: dict[int, int] = {}

@@ -13,19 +13,24 @@ times, in turn, on the same ranks:
   touched before, as a trained model's are) and ``close``, with every node's directory
   intact (what a relaunch costs at best);
 * ``lost[level]``: the same after the last rank's node directory was removed (the
-  benchmark removes it before the timed part): discovery, rebuild over MPI, re-protection
-  and the load;
+  benchmark removes it before the timed part): discovery, the lost shard loaded from a copy
+  (or rebuilt from parity first) and the load, until ``restore`` returned (training may
+  go on); ``lost_protected[level]``: until the step was protected again too (``wait``: the
+  lost shard in its node-local slot, the copies and parity the node held made again, on
+  the checkpoint thread);
 * ``p2p``: one MPI send of the state's bytes to the next rank (the bound of moving what was
   lost once);
 * ``pfs_cold``: every node directory removed and the PFS files' pages dropped from the page
   cache: the restore reads the step from the PFS (``local:1,pfs:1``).
 
-Seconds are from a barrier before the ``Checkpointer`` to a barrier after ``restore``; the
-figure is the median of the rounds, with min and max; ratios are medians of per-round
-ratios. One extra restore per level, after the rounds, is measured with
-``bench/_mpi.costs``: passes over the state by kind (``ftkit.passes``), CPU seconds and
-the peak resident memory above the one before it (the most any rank paid). Prints one
-line per figure and writes ``rebuild.json``.
+Seconds are from a barrier before the ``Checkpointer`` to a barrier after ``restore``
+(saves are asynchronous, the default: the repair after a load from copies runs on the
+checkpoint thread); the figure is the median of the rounds, with min and max; ratios are
+medians of per-round ratios. One extra restore per level (with ``close``, so the repair is
+in it), after the rounds, is measured with ``bench/_mpi.costs``: passes over the state by
+kind (``ftkit.passes``), CPU seconds, the peak resident memory above the one before it
+(mapped node-local slots included) and the peak private memory (the most any rank paid).
+Prints one line per figure and writes ``rebuild.json``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +63,15 @@ def _child(args: argparse.Namespace) -> None:
     n = (args.size_mib << 20) // 4
     with _mpi.scratch(comm, "/dev/shm", "/tmp") as (local_root, pfs_root):
         os.environ.update(FTKIT_LOCAL_DIR=str(local_root), FTKIT_PFS_DIR=str(pfs_root),
-                          FTKIT_RANKS_PER_NODE="1", FTKIT_ASYNC="0")
+                          FTKIT_RANKS_PER_NODE="1")
         topo = ftkit.Topology.create(comm)
         host = comm.Split_type(MPI.COMM_TYPE_SHARED)
         saved = np.random.default_rng(rank).random(n, dtype=np.float32)
 
-        def config(level: str | None, job: str) -> Config:
+        def config(level: str | None, job: str, *, async_: bool = True) -> Config:
             levels = f"local:1,{level}:1,pfs:1" if level else "local:1,pfs:1"
             return Config.load(job=job, levels=levels, xor_set=world, rs_set=world,
-                               rs_parity=1)
+                               rs_parity=1, async_=async_)
 
         def live() -> dict[str, np.ndarray]:
             """A live state to restore into (its pages touched, as a trained model's are)."""
@@ -77,6 +83,22 @@ def _child(args: argparse.Namespace) -> None:
             ckpt.close()
             assert step == 1 and np.array_equal(state["w"], saved), (rank, step)
 
+        def timed_restore(cfg: Config, state: dict[str, np.ndarray]) -> tuple[float, float]:
+            """Seconds until ``restore`` returned on every rank (training may go on) and
+            until the step was protected again (``wait``: the background repair)."""
+            comm.Barrier()
+            t0 = time.perf_counter()
+            ckpt = Checkpointer(topo, cfg)
+            step = ckpt.restore(state)
+            comm.Barrier()
+            t1 = time.perf_counter()
+            ckpt.wait()
+            comm.Barrier()
+            t2 = time.perf_counter()
+            ckpt.close()
+            assert step == 1 and np.array_equal(state["w"], saved), (rank, step)
+            return t1 - t0, t2 - t0
+
         def lose(cfg: Config, ranks: set[int]) -> None:
             comm.Barrier()
             if rank in ranks:
@@ -85,8 +107,9 @@ def _child(args: argparse.Namespace) -> None:
 
         cfgs = {level: config(level, f"rb-{level}") for level in LEVELS}
         cfgs["pfs"] = config(None, "rb-pfs")
-        for cfg in cfgs.values():
-            ckpt = Checkpointer(topo, cfg)
+        for name in cfgs:
+            ckpt = Checkpointer(topo, config(None if name == "pfs" else name, f"rb-{name}",
+                                             async_=False))
             ckpt.save(1, {"w": saved})
             ckpt.close()
         out, back = np.ones(n, np.float32), np.empty(n, np.float32)
@@ -102,18 +125,16 @@ def _child(args: argparse.Namespace) -> None:
             rounds.setdefault("p2p", []).append(_mpi.timed(comm, p2p))
             for level in LEVELS:
                 cfg = cfgs[level]
-                state = live()
-                rounds.setdefault(f"nothing_lost[{level}]", []).append(
-                    _mpi.timed(comm, lambda c=cfg, st=state: restore(c, st)))
+                until, _ = timed_restore(cfg, live())
+                rounds.setdefault(f"nothing_lost[{level}]", []).append(until)
                 lose(cfg, last)
-                state = live()
-                rounds.setdefault(f"lost[{level}]", []).append(
-                    _mpi.timed(comm, lambda c=cfg, st=state: restore(c, st)))
-            cfg, state = cfgs["pfs"], live()
+                until, protected = timed_restore(cfg, live())
+                rounds.setdefault(f"lost[{level}]", []).append(until)
+                rounds.setdefault(f"lost_protected[{level}]", []).append(protected)
+            cfg = cfgs["pfs"]
             lose(cfg, set(range(world)))
             _disk.drop_pages(host, cfg.job_pfs_dir)
-            rounds.setdefault("pfs_cold", []).append(
-                _mpi.timed(comm, lambda c=cfg, st=state: restore(c, st)))
+            rounds.setdefault("pfs_cold", []).append(timed_restore(cfg, live())[0])
         costs = {}
         for level in LEVELS:
             lose(cfgs[level], last)

@@ -37,7 +37,6 @@ from ftkit.comm.topology import Topology
 from ftkit.config import Config
 from ftkit.errors import (
     CheckpointError,
-    ConfigError,
     ProtocolTimeout,
 )
 from ftkit.faults import Faults
@@ -63,7 +62,6 @@ from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel
 from ftkit.storage.pfs import early
 from ftkit.storage.pfs.level import PfsLevel
-from ftkit.storage.pfs.retention import remove_steps
 
 log = logging.getLogger(__name__)
 State = MutableMapping[str, Any]
@@ -109,7 +107,7 @@ class Checkpointer:
                                            rank=topo.rank, node_leader=topo.is_node_leader,
                                            faults=self.faults)
         self.local.node_ranks = set(topo.ranks_on(topo.node))
-        self._prepare_dirs()
+        self.local.prepare_everywhere(self.dc)
         self.claim = JobClaim(config, topo, self.dc, self.local.root)
         self.run_id = self.claim.take()
         self.identity = {"job": config.job, "run": self.run_id, "nodes": list(topo.rank_node),
@@ -181,7 +179,8 @@ class Checkpointer:
     def _restore(self, state: State) -> int:
         t0 = time.monotonic()
         if self.config.start == "fresh":
-            self._start_fresh()
+            self.restorer.start_fresh(self.config.job_pfs_dir, self.topo.rank_node, self.run_id,
+                                      leader=self.topo.is_node_leader)
             return 0
         found = self.restorer.discover(run_id=self.run_id, rank_node=list(self.topo.rank_node),
                                        layout={"dp": self.topo.dp, "tp": self.topo.tp,
@@ -196,11 +195,26 @@ class Checkpointer:
                        reason=str(error))
             raise error
         self._after_restore(found, step, level)
+        peers: dict[str, Any] = {"loaded_from": found.loaded_from()} \
+            if level == "local" and found.sources else {}
         self._emit("restore", step=step, level=level, skipped=sorted(found.unusable()),
-                   discover_s=discover_s, seconds=round(time.monotonic() - t0, 6))
+                   discover_s=discover_s, seconds=round(time.monotonic() - t0, 6), **peers)
+        self._repair(found if level == "local" else None)
         if step:
             log.info("restored step %d from level %s", step, level)
         return step
+
+    def _repair(self, found: recovery.Discovery | None) -> None:
+        """What the restored step is owed after lost shards were loaded straight from copies
+        (:meth:`Restorer.repair`): on the checkpoint thread, where the next save (or
+        ``wait``/``close``) waits for it; now when saves are synchronous. All ranks call."""
+        if found is None or found.repair is None:
+            return
+        self._state_bytes = max(self._state_bytes, found.nbytes)     # the wait's patience
+        if self._pool is None:
+            self.restorer.repair(found)
+        else:
+            self._pending = self._pool.submit(self.restorer.repair, found)
 
     def _load_newest(self, found: Any, state: State) -> tuple[int, str, dict[int, str]]:
         """Load the newest usable step: a PFS step newer than the newest recoverable local
@@ -552,20 +566,6 @@ class Checkpointer:
         return bool(self.dc.bcast(step in self.pfs.committed_steps() if self.topo.rank == 0
                                   else None, "restore-load", step))
 
-    def _start_fresh(self) -> None:
-        """``FTKIT_START=fresh``: delete this job's checkpoints on every level (node leaders
-        their node's directory, rank 0 the PFS steps), as the user asked. All ranks call."""
-        removed = self.local.remove_all() if self.topo.is_node_leader else []
-        # PFS steps go even when this run has no PFS level: a later run with one would
-        # otherwise resume the old timeline from them
-        pfs_removed = remove_steps(self.config.job_pfs_dir) if self.topo.rank == 0 else []
-        gathered = self.dc.allgather(removed, "restore-discover")   # also: all removed
-        log.warning("rank %d: FTKIT_START=fresh: removed node-local steps %s, PFS steps %s",
-                    self.topo.rank, removed, pfs_removed)
-        self._emit("fresh-start", local={str(self.topo.rank_node[r]): g
-                                         for r, g in enumerate(gathered) if g},
-                   pfs=pfs_removed, run=self.run_id)
-
     def _emit(self, event: str, *, any_rank: bool = False, **fields: Any) -> None:
         """Append an event line (rank 0 only, unless ``any_rank``); never fails the caller."""
         if self.topo.rank != 0 and not any_rank:
@@ -576,19 +576,6 @@ class Checkpointer:
         except OSError as exc:
             log.warning("cannot append to %s: %s", self.config.events_path, exc)
             mark_progress(self.config.events_path)
-
-    def _prepare_dirs(self) -> None:
-        """Create the node-local directory on every rank; ConfigError everywhere if any
-        rank cannot. All ranks call."""
-        failure = None
-        try:
-            self.local.prepare()
-        except OSError as exc:
-            failure = f"cannot use local directory {self.local.root}: {describe(exc)}"
-        failures = self.dc.agree(failure, "prepare", -1)
-        if failures:
-            raise ConfigError("FTKIT_LOCAL_DIR is not usable: " + "; ".join(
-                f"rank {r}: {f}" for r, f in sorted(failures.items())))
 
     def _threads_ok(self) -> bool:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +36,12 @@ from ftkit.errors import (
     one_line,
 )
 from ftkit.faults import Faults
-from ftkit.recovery import rebuild
+from ftkit.recovery import peerload, rebuild
 from ftkit.recovery.plan import Plan, make_plan
 from ftkit.storage.level import Report
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.pfs.retention import remove_steps
 from ftkit.storage.shard import Shard, leaves_of
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,15 @@ class Discovery:
     verify: set[int] = dataclasses.field(default_factory=set)
     # steps discovery checks every byte of (a load or a rebuild of them failed once); the
     # others only by their headers: loading and rebuilding verify the bytes they use
+    sources: peerload.Sources = dataclasses.field(default_factory=dict)
+    # lost ranks of ``step`` that load straight from a copy on another node (level, holder)
+    repair: peerload.Repair | None = None
+    # what ``step`` is owed once loaded from copies: the lost shards on disk, re-protection
+    nbytes: int = 0                 # tensor bytes of this rank's shard, once loaded
+
+    def loaded_from(self) -> dict[str, int]:
+        """Lost rank (a string) -> the rank whose copy of its shard it loaded."""
+        return {str(r): holder for r, (_, holder) in self.sources.items()}
 
     def unusable(self) -> dict[int, str]:
         """Every committed step on the node-local levels that cannot be used, with why."""
@@ -121,14 +131,30 @@ class Restorer:
         then loads an older step or a PFS step over all of them, or raises (a skipped step makes
         a restore that finds nothing else an :class:`UnrecoverableError`), so ``state`` is never
         returned half old, half new. All ranks call."""
+        fetch = peerload.Fetch(self.dc, self.levels, found.step, found.sources)
+        loaded = False
+        try:
+            loaded = self._load(found, state, fetch)
+        finally:
+            fetch.finish(loaded)
+        return loaded
+
+    def _load(self, found: Discovery, state: MutableMapping[str, Any],
+              fetch: peerload.Fetch) -> bool:
+        """:meth:`try_load` with ``fetch``: the copies this rank sends to lost ranks, and its
+        own shard from its copy when it was lost. All ranks call."""
         dc, step = self.dc, found.step
         reading: Reading | None = None
         with contextlib.ExitStack() as stack:
             failure = None
             try:
+                fetch.post()                  # first: a lost rank waits on these
                 self.faults.fire("restore-load", step)
-                shard = stack.enter_context(self.levels.local.open_shard(step))
+                remote = fetch.open(dc.size)
+                shard = stack.enter_context(remote if remote is not None
+                                            else self.levels.local.open_shard(step))
                 reading = _plan_reading(shard, dc.rank, step, state)
+                found.nbytes = sum(t["nbytes"] for t in shard.tensors)
             except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
                 failure = one_line(exc)
             if not self._agreed_loadable(found, step, failure):
@@ -144,10 +170,27 @@ class Restorer:
         load_agreed(dc, state, reading.tree, step)
         return True
 
+    def start_fresh(self, pfs_dir: Path, rank_node: Sequence[int], run_id: str, *,
+                    leader: bool) -> None:
+        """``FTKIT_START=fresh``: delete this job's checkpoints on every level (node
+        leaders their node's directory, rank 0 the PFS steps under ``pfs_dir``), as the
+        user asked. All ranks call."""
+        local, dc = self.levels.local, self.dc
+        removed = local.remove_all() if leader else []
+        # PFS steps go even when this run has no PFS level: a later run with one would
+        # otherwise resume the old timeline from them
+        pfs_removed = remove_steps(pfs_dir) if dc.rank == 0 else []
+        gathered = dc.allgather(removed, "restore-discover")   # also: all removed
+        log.warning("rank %d: FTKIT_START=fresh: removed node-local steps %s, PFS steps %s",
+                    dc.rank, removed, pfs_removed)
+        self.emit("fresh-start", local={str(rank_node[r]): g for r, g in enumerate(gathered)
+                                        if g}, pfs=pfs_removed, run=run_id)
+
     def _scan(self, found: Discovery, steps: list[int]) -> None:
         """Set ``found.step`` to the first of ``steps`` (newest first) that every rank holds
         intact or can rebuild; record every step before it in ``found.skipped``. All ranks
         call."""
+        found.sources, found.repair = {}, None
         for step in steps:
             plan, reports = self._plan_step(found, step)
             if plan.ok:
@@ -169,6 +212,11 @@ class Restorer:
                                           data=step in found.verify)
             reports = dc.allgather(report, "restore-discover", step)
             plan = make_plan(step, reports, found.levels_of[step], levels.covers(), found.nodes)
+            sources = peerload.sources(plan, levels.covers()) if plan.ok else None
+            if sources and step not in found.verify:      # loaded from the copies, repaired after
+                found.sources = sources
+                found.repair = peerload.Repair(plan, reports, found.levels_of[step], sources)
+                return plan, reports
             if plan.ok and plan.lost:
                 plan.unrecoverable = self._try_rebuild(plan, reports, found.levels_of[step],
                                                        found.nodes)
@@ -192,23 +240,55 @@ class Restorer:
 
     def _try_rebuild(self, plan: Plan, reports: list[Report], step_levels: list[str],
                      nodes: list[str]) -> str | None:
-        lost_nodes = sorted({nodes[r] for r in plan.lost})
         t0 = time.monotonic()
         try:
             again = rebuild.execute(self.dc, self.levels, self.faults, plan, reports,
                                     step_levels)
         except CheckpointError as exc:
             return f"rebuild of step {plan.step} failed: {exc}"
-        seconds = round(time.monotonic() - t0, 6)
+        self._rebuilt(plan, again, time.monotonic() - t0, nodes)
+        return None
+
+    def _rebuilt(self, plan: Plan, again: list[str], seconds: float, nodes: list[str],
+                 **extra: Any) -> None:
+        """Log (rank 0) and report the rebuild of ``plan`` (a ``rebuild`` event). All ranks
+        call."""
+        lost_nodes = sorted({nodes[r] for r in plan.lost})
         if self.dc.rank == 0:
             log.warning("restore: step %d: rebuilt the shards of ranks %s (lost on %s) from %s",
                         plan.step, plan.lost, ", ".join(lost_nodes), "; ".join(plan.how()))
         self.emit("rebuild", step=plan.step, ranks=plan.lost, nodes=lost_nodes,
-                  from_partner=plan.from_partner, seconds=seconds,
+                  from_partner=plan.from_partner, seconds=round(seconds, 6),
                   erasure={lv: {str(k): v for k, v in per.items()}
                            for lv, per in plan.erasure.items()},
-                  by_level=plan.parts, reprotected=again)
-        return None
+                  by_level=plan.parts, reprotected=again, **extra)
+
+    def repair(self, found: Discovery) -> None:
+        """After ``found.step`` was loaded with lost shards taken straight from copies:
+        write those shards into their node-local slots from the same copies and re-protect
+        the step (:func:`ftkit.recovery.rebuild.execute`), then report it (a ``rebuild``
+        event with ``loaded_from``: lost rank -> the rank whose copy it loaded). A failure
+        is logged and reported (``repair-failed``), never raised: the step was loaded, and
+        the next committed step is protected whole. Does nothing when nothing is owed.
+        All ranks call (on the checkpoint thread when saves are asynchronous)."""
+        job, found.repair = found.repair, None
+        if job is None:
+            return
+        t0 = time.monotonic()
+        try:
+            again = rebuild.execute(self.dc, self.levels, self.faults, job.plan, job.reports,
+                                    job.step_levels)
+        except CheckpointError as exc:
+            if self.dc.rank == 0:
+                log.warning("restore: step %d was loaded, but rebuilding its lost shards on "
+                            "their nodes failed (the step stays protected as the failure "
+                            "left it; the next save protects a newer one): %s",
+                            job.plan.step, one_line(exc))
+            self.emit("repair-failed", step=job.plan.step, ranks=job.plan.lost,
+                      reason=one_line(exc))
+            return
+        self._rebuilt(job.plan, again, time.monotonic() - t0, found.nodes,
+                      loaded_from=found.loaded_from())
 
     def _agreed_loadable(self, found: Discovery, step: int, failure: str | None) -> bool:
         """Agree whether every rank could read ``step``; if not, skip it and rescan the older

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -86,6 +87,12 @@ class Cover(abc.ABC):
     def rebuilt(self, part: Any) -> list[int]:
         """The ranks whose shards ``part`` rebuilds."""
 
+    def holder(self, rank: int) -> int | None:
+        """The rank that holds a whole copy of ``rank``'s shard (a ``copy`` cover: a lost
+        rank may load straight from it, :mod:`ftkit.storage.redundancy.fetch`), else
+        None."""
+        return None
+
 
 class Redundancy(Level):
     """A level that protects node-local shards on other nodes (both halves: encode at save,
@@ -110,6 +117,11 @@ class Redundancy(Level):
             return self.held(step, world, data=data)
         except Exception as exc:  # noqa: BLE001 - any failure: the level's data is unusable
             return self.unusable(one_line(exc))
+
+    def copy_of(self, step: int, source: int) -> Path | None:
+        """The file on this rank that holds a whole copy of rank ``source``'s shard of
+        ``step`` (see :meth:`Cover.holder`), else None. Local."""
+        return None
 
     @abc.abstractmethod
     def rebuild(self, step: int, part: Any, reports: Sequence[Report],

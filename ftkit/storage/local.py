@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
-from ftkit.errors import CheckpointError, CorruptCheckpointError, StorageError
+from ftkit.comm.dist import DistComm, describe
+from ftkit.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+)
 from ftkit.faults import Faults
 from ftkit.fs import fsync_dir, write_record
 from ftkit.storage.level import Level
@@ -97,6 +103,19 @@ class LocalLevel(Level):
         probe.unlink(missing_ok=True)           # a crash's leftover; a link is not followed
         os.close(create_new(probe))
         probe.unlink()
+
+    def prepare_everywhere(self, dc: DistComm) -> None:
+        """:meth:`prepare` on every rank; the same ConfigError everywhere if any rank
+        cannot. All ranks call."""
+        failure = None
+        try:
+            self.prepare()
+        except OSError as exc:
+            failure = f"cannot use local directory {self.root}: {describe(exc)}"
+        failures = dc.agree(failure, "prepare", -1)
+        if failures:
+            raise ConfigError("FTKIT_LOCAL_DIR is not usable: " + "; ".join(
+                f"rank {r}: {f}" for r, f in sorted(failures.items())))
 
     # ---------------------------------------------------------------- paths
     def step_dir(self, step: int) -> Path:

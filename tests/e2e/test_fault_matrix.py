@@ -254,6 +254,30 @@ def test_node_lost_during_flush_rebuilt_from_partner(
     assert res.done["digest"] == reference_digest(4, 8, script=NUMPY_TOY), res.tail()
 
 
+@pytest.mark.timeout(400)
+def test_second_node_lost_while_the_loaded_step_is_repaired(
+        tmp_path: Path, reference_digest: Callable[..., str]) -> None:
+    """Attempt 0: node 1 dies as the flush of step 6 starts (as above). Attempt 1: ranks 2
+    and 3 load step 6 straight from their partner copies on node 0 (the restore event says
+    whose) and training goes on while the step is repaired in the background; node 0 dies
+    as that repair starts, before node 1 holds the shards and copies again. Step 6 then
+    exists nowhere whole: attempt 2 resumes from the PFS step 3 (an older step, never a
+    torn one), and the run ends with the failure-free digest."""
+    spec = (f"node:rank=2:step={MULTI_STEP}:phase=flush;"
+            f"node:rank=0:step={MULTI_STEP}:phase=restore-rebuild:attempt=1")
+    res = run_toy(tmp_path, steps=8, FTKIT_LEVELS=MULTI_LEVELS, FTKIT_FAULTS=spec,
+                  script=NUMPY_TOY)
+    assert res.rc == 0, res.tail()
+    starts = res.starts
+    assert [(s["attempt"], s["step"]) for s in starts] == [(0, 0), (1, MULTI_STEP), (2, 3)], \
+        (starts, res.tail())
+    restores = {e["attempt"]: e for e in res.events() if e["event"] == "restore"}
+    assert sorted(restores[1]["loaded_from"]) == ["2", "3"], restores
+    assert (restores[2]["level"], restores[2]["step"]) == ("pfs", 3), restores
+    assert not [e for e in res.events() if e["event"] == "rebuild" and e["attempt"] == 1]
+    assert res.done["digest"] == reference_digest(4, 8, script=NUMPY_TOY), res.tail()
+
+
 @pytest.mark.timeout(900)
 def test_hang_detected_within_timeout(tmp_path: Path,
                                       reference_digest: Callable[..., str]) -> None:

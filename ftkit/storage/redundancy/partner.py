@@ -56,6 +56,9 @@ class PartnerCover(Cover):
     def rebuilt(self, part: list[int]) -> list[int]:
         return list(part)
 
+    def holder(self, rank: int) -> int:
+        return self.partners[rank]
+
 
 def _short(state: object) -> str:
     if state == "missing":
@@ -91,6 +94,9 @@ class PartnerLevel(Redundancy):
 
     def copy_path(self, step: int, source: int) -> Path:
         return self.local.step_dir(step) / f"partner-{source}.ftk"
+
+    def copy_of(self, step: int, source: int) -> Path | None:
+        return self.copy_path(step, source) if source in self.sources else None
 
     def _verify(self, step: int, *, mine: bool = False) -> Verify:
         """Checks for received shards of ``step``: the sender's own shard, or (``mine``)

@@ -1,0 +1,182 @@
+"""A lost node's ranks load their shards straight from the partner copies on the other node
+into their live state (4 ranks, 2 virtual nodes), and the step is repaired after the load:
+the lost shards are written to their node again and the copies the node held are sent again.
+A copy damaged at rest is caught as it lands and the restore falls back to an older step.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ftkit import Checkpointer, Config
+from ftkit.comm.dist import DistComm
+from ftkit.errors import CorruptCheckpointError
+from ftkit.faults import flip_byte
+from ftkit.storage.redundancy.fetch import CopySend, RemoteShard
+
+from .mpi_helpers import (
+    RANK,
+    WORLD,
+    allgather,
+    canon,
+    catch,
+    diff,
+    events,
+    save_steps,
+    small_state,
+    topology,
+)
+
+CONFIG = {"levels": "local:1,partner:1"}
+
+
+def _lose_node(ftkit_env: Any, node: int) -> None:
+    """Node ``node``'s directory is gone (its leader removes it) once every rank got here."""
+    WORLD.Barrier()
+    if RANK == 2 * node:
+        shutil.rmtree(ftkit_env.node_dir(node))
+    WORLD.Barrier()
+
+
+def _of(ftkit_env: Any, name: str) -> list[dict[str, Any]]:
+    return [e for e in events(ftkit_env.events_path) if e["event"] == name]
+
+
+@pytest.mark.parametrize("async_", [True, False])
+def test_lost_ranks_load_from_the_partner_copies(ftkit_env, async_):
+    """Ranks 0 and 1 (node 0, directory gone) load step 1 from their copies on node 1 (the
+    restore event names whose); after the repair (in restore when saves are synchronous,
+    else once the checkpoint thread is waited for) node 0 holds their shards and the copies
+    of ranks 2 and 3 again, bit-exact: the step then survives losing node 1."""
+    with topology() as topo:
+        partners = topo.partner_map()
+        expected = save_steps(topo, [1], **CONFIG)
+        _lose_node(ftkit_env, 0)
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(async_=async_, **CONFIG))
+        step = ckpt.restore(state)
+        ckpt.wait()
+        on_node0 = sorted(p.name for p in ftkit_env.step_dir(0, 1).glob("*.ftk"))
+        ckpt.close()
+        _lose_node(ftkit_env, 1)
+        again = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(**CONFIG))
+        second = ckpt.restore(again)
+        ckpt.close()
+    assert allgather(step) == [1] * 4 and allgather(second) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    assert allgather(diff(expected[1], canon(again))) == [[]] * 4
+    assert on_node0 == ["partner-2.ftk", "partner-3.ftk", "rank-0.ftk", "rank-1.ftk"]
+    restores = _of(ftkit_env, "restore")
+    assert restores[0]["loaded_from"] == {"0": partners[0], "1": partners[1]}, restores
+    assert restores[1]["loaded_from"] == {"2": partners[2], "3": partners[3]}, restores
+    rebuilds = _of(ftkit_env, "rebuild")
+    assert [(e["ranks"], e["loaded_from"], e["reprotected"]) for e in rebuilds] == [
+        ([0, 1], {"0": partners[0], "1": partners[1]},
+         ["partner: copies of ranks [2, 3] sent again"]),
+        ([2, 3], {"2": partners[2], "3": partners[3]},
+         ["partner: copies of ranks [0, 1] sent again"])]
+
+
+def test_a_copy_damaged_at_rest_is_caught_as_it_lands(ftkit_env):
+    """Step 2's copy of rank 0 has a flipped byte in a tensor (discovery reads headers only):
+    rank 0's load from it fails its checksum, every rank agrees, the step is looked at
+    again with every byte and skipped, and step 1 is loaded from the copies, bit-exact."""
+    with topology() as topo:
+        partners = topo.partner_map()
+        expected = save_steps(topo, [1, 2], **CONFIG)
+        _lose_node(ftkit_env, 0)
+        if RANK == partners[0]:
+            flip_byte(ftkit_env.step_dir(1, 2) / "partner-0.ftk")
+        WORLD.Barrier()
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(**CONFIG))
+        step = ckpt.restore(state)
+        ckpt.close()
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    [skip] = _of(ftkit_env, "restore-skip")
+    assert skip["step"] == 2 and "partner" in skip["reason"] and "rank 0" in skip["reason"], skip
+    assert _of(ftkit_env, "restore")[0]["loaded_from"] == {"0": partners[0], "1": partners[1]}
+
+
+def _two_ranks(fn: Any) -> None:
+    """Run ``fn(dc)`` on ranks 0 and 1 over a communicator of their own."""
+    sub = WORLD.Split(0 if RANK < 2 else 1, RANK)
+    try:
+        if RANK < 2:
+            fn(DistComm(sub, 20.0))
+    finally:
+        sub.Free()
+        WORLD.Barrier()
+
+
+def test_a_copy_that_cannot_be_opened_fails_its_rank_at_once(ftkit_env, tmp_path):
+    """The holder's copy is not there: it raises, and the receiving rank learns it at once
+    (not after FTKIT_TIMEOUT) with an error naming the holder."""
+    errors: list[Any] = []
+
+    def run(dc: DistComm) -> None:
+        if dc.rank == 0:
+            send = CopySend(Path(tmp_path) / "gone.ftk", 1, 77, step=3, level="partner")
+            errors.append(catch(send.post, dc.comm))
+            send.finish(dc, False)
+        else:
+            t0 = time.monotonic()
+            errors.append(catch(RemoteShard.receive, dc, 0, 77, path=Path("copy"), rank=1,
+                                step=3, world=2, level="partner"))
+            errors.append(time.monotonic() - t0)
+    _two_ranks(run)
+    if RANK == 0:
+        assert isinstance(errors[0], CorruptCheckpointError) and "gone.ftk" in str(errors[0])
+    elif RANK == 1:
+        err, seconds = errors
+        assert isinstance(err, CorruptCheckpointError), err
+        assert "sent by rank 0" in str(err) and "could not send" in str(err), err
+        assert seconds < 10, seconds
+
+
+def test_a_remote_shard_reads_tensors_into_place_and_checks_them(ftkit_env, tmp_path):
+    """Rank 0 sends a shard file it holds; rank 1 reads the header and each tensor into
+    arrays of its own: equal bytes, and a byte flipped in the sender's file makes that
+    tensor's read return False (the next one still reads)."""
+    from ftkit.capture.flatten import flatten
+    from ftkit.storage.shard import Shard, write_shard
+
+    state = {"a": np.arange(300_000, dtype=np.float32), "b": np.arange(7, dtype=np.int64)}
+    results: list[Any] = []
+
+    def run(dc: DistComm) -> None:
+        path = Path(tmp_path) / "copy.ftk"
+        if dc.rank == 0:
+            tree, leaves = flatten(state)
+            write_shard(path, {"rank": 1, "step": 5, "world": 2}, tree, leaves,
+                        [lf.source.view(np.uint8) for lf in leaves])
+            with Shard.open(path) as shard:
+                a = shard.tensors[0]["offset"]
+            flip_byte(path, a + 100)
+            for tag in (5, 6):
+                send = CopySend(path, 1, tag, step=5, level="partner")
+                send.post(dc.comm)
+                dc.barrier("test")
+                send.finish(dc, True)
+        else:
+            for tag in (5, 6):
+                remote = RemoteShard.receive(dc, 0, tag, path=Path("copy"), rank=1, step=5,
+                                             world=2, level="partner")
+                outs = [np.empty(t["nbytes"], np.uint8) for t in remote.tensors]
+                results.append([remote.read_into(i, o) for i, o in enumerate(outs)])
+                dc.barrier("test")
+            results.append(outs)
+    _two_ranks(run)
+    if RANK == 1:
+        oks, _, outs = results
+        assert oks == [False, True], oks
+        got = outs[0].view(np.float32)
+        assert np.count_nonzero(got != state["a"]) == 1
+        assert np.array_equal(outs[1].view(np.int64), state["b"])
