@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,15 @@ def small_state(rank: int, step: int) -> dict[str, Any]:
             "half": torch.randn(33, generator=g).to(torch.bfloat16),
             "np": np.arange(17, dtype=np.int64) * (step + 1) + rank,
             "meta": {"step": step, "rank": rank, "lr": 0.5 ** step, "tag": ("s", step)}}
+
+
+def lose_node(env: Any, node: int) -> None:
+    """Virtual node ``node``'s directory is gone (rank ``2 * node``, its leader with two ranks
+    per node, removes it) once every rank got here. All ranks call."""
+    WORLD.Barrier()
+    if RANK == 2 * node:
+        shutil.rmtree(env.node_dir(node))
+    WORLD.Barrier()
 
 
 def assert_restores(topo: Topology, step: int, levels: str) -> None:

@@ -5,7 +5,6 @@ A copy damaged at rest is caught as it lands and the restore falls back to an ol
 """
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,20 +26,13 @@ from .mpi_helpers import (
     catch,
     diff,
     events,
+    lose_node,
     save_steps,
     small_state,
     topology,
 )
 
 CONFIG = {"levels": "local:1,partner:1"}
-
-
-def _lose_node(ftkit_env: Any, node: int) -> None:
-    """Node ``node``'s directory is gone (its leader removes it) once every rank got here."""
-    WORLD.Barrier()
-    if RANK == 2 * node:
-        shutil.rmtree(ftkit_env.node_dir(node))
-    WORLD.Barrier()
 
 
 def _of(ftkit_env: Any, name: str) -> list[dict[str, Any]]:
@@ -56,14 +48,14 @@ def test_lost_ranks_load_from_the_partner_copies(ftkit_env, async_):
     with topology() as topo:
         partners = topo.partner_map()
         expected = save_steps(topo, [1], **CONFIG)
-        _lose_node(ftkit_env, 0)
+        lose_node(ftkit_env, 0)
         state = small_state(RANK, 0)
         ckpt = Checkpointer(topo, Config.load(async_=async_, **CONFIG))
         step = ckpt.restore(state)
         ckpt.wait()
         on_node0 = sorted(p.name for p in ftkit_env.step_dir(0, 1).glob("*.ftk"))
         ckpt.close()
-        _lose_node(ftkit_env, 1)
+        lose_node(ftkit_env, 1)
         again = small_state(RANK, 0)
         ckpt = Checkpointer(topo, Config.load(**CONFIG))
         second = ckpt.restore(again)
@@ -90,7 +82,7 @@ def test_a_copy_damaged_at_rest_is_caught_as_it_lands(ftkit_env):
     with topology() as topo:
         partners = topo.partner_map()
         expected = save_steps(topo, [1, 2], **CONFIG)
-        _lose_node(ftkit_env, 0)
+        lose_node(ftkit_env, 0)
         if RANK == partners[0]:
             flip_byte(ftkit_env.step_dir(1, 2) / "partner-0.ftk")
         WORLD.Barrier()

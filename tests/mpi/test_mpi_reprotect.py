@@ -4,7 +4,6 @@ the *other* node too. A shard lost alone (its copies and parity intact) moves no
 """
 from __future__ import annotations
 
-import shutil
 from typing import Any
 
 from ftkit import Checkpointer, Config
@@ -17,18 +16,11 @@ from .mpi_helpers import (
     canon,
     diff,
     events,
+    lose_node,
     save_steps,
     small_state,
     topology,
 )
-
-
-def _lose_node(ftkit_env: Any, node: int) -> None:
-    """Node ``node``'s directory is gone (its leader removes it) once every rank got here."""
-    WORLD.Barrier()
-    if RANK == 2 * node:
-        shutil.rmtree(ftkit_env.node_dir(node))
-    WORLD.Barrier()
 
 
 def _restore(topo: Any, **config: Any) -> tuple[int, Any]:
@@ -50,9 +42,9 @@ def test_partner_copies_of_the_lost_node_are_sent_again(ftkit_env):
     config = {"levels": "local:1,partner:1"}
     with topology() as topo:
         expected = save_steps(topo, [1], **config)
-        _lose_node(ftkit_env, 0)
+        lose_node(ftkit_env, 0)
         first = _restore(topo, **config)
-        _lose_node(ftkit_env, 1)
+        lose_node(ftkit_env, 1)
         second = _restore(topo, **config)
     for step, state in (first, second):
         assert allgather(step) == [1] * 4
@@ -66,9 +58,9 @@ def test_parity_of_the_sets_that_lost_a_member_is_encoded_again(ftkit_env):
     config = {"levels": "local:1,xor:1", "xor_set": 2}
     with topology() as topo:
         expected = save_steps(topo, [1], **config)
-        _lose_node(ftkit_env, 1)
+        lose_node(ftkit_env, 1)
         first = _restore(topo, **config)
-        _lose_node(ftkit_env, 0)
+        lose_node(ftkit_env, 0)
         second = _restore(topo, **config)
     for step, state in (first, second):
         assert allgather(step) == [1] * 4
