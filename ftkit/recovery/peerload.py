@@ -15,39 +15,33 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
-from ftkit.comm.dist import DistComm
 from ftkit.recovery.plan import Plan
-from ftkit.storage.level import Cover, Report
+from ftkit.storage.level import Cover, Report, Streamed
 from ftkit.storage.levels import Levels
-from ftkit.storage.redundancy.fetch import CopySend, RemoteShard
+from ftkit.storage.shard import Shard
 
-#: a lost rank -> (the level whose copy it loads, the rank that holds the copy)
-Sources = dict[int, tuple[str, int]]
+#: a lost rank -> where it loads its shard from (the rank holding its copy, or its set)
+Sources = dict[int, Any]
 
 
-def sources(plan: Plan, covers: Sequence[Cover]) -> Sources | None:
-    """Where each lost shard of ``plan`` can be loaded from: only when every one is rebuilt
-    from a whole copy whose holder the cover names; else None (rebuild on disk first: a
-    decoded shard, or a set that leans on a rebuilt one). Pure."""
-    if not plan.lost or any(kind != "copy" for kind in plan.kinds.values()):
+def sources(plan: Plan, covers: Sequence[Cover], reports: Sequence[Report]
+            ) -> Sources | None:
+    """Where each lost shard of ``plan`` loads from straight into its rank's live state:
+    only when one level rebuilds all of them and its cover can stream them (a whole copy,
+    a plain XOR decode); else None (rebuilt on disk first: a Reed–Solomon decode, or a set
+    that leans on a shard another level rebuilds). Pure."""
+    if not plan.lost or len(plan.parts) != 1:
         return None
-    by_name = {cover.name: cover for cover in covers}
-    out: Sources = {}
-    for name, part in plan.parts.items():
-        for rank in by_name[name].rebuilt(part):
-            holder = by_name[name].holder(rank)
-            if holder is None:
-                return None
-            out[rank] = (name, holder)
-    return out
+    [(name, part)] = plan.parts.items()
+    return next(cover for cover in covers if cover.name == name).streams(part, reports)
 
 
 @dataclasses.dataclass
 class Repair:
-    """What a restore that loaded from copies still owes its step: the rebuild of the lost
-    shards into node-local slots and the re-protection (every rank's ``reports``)."""
+    """What a restore that loaded from redundancy still owes its step: the rebuild of the
+    lost shards into node-local slots and the re-protection (every rank's ``reports``)."""
 
     plan: Plan
     reports: list[Report]
@@ -56,44 +50,33 @@ class Repair:
 
 
 class Fetch:
-    """One load's transfers from copies, on one rank: the sends of the copies it holds for
-    lost ranks (:meth:`post`), the receiving shard when its own was lost (:meth:`open`).
-    Every rank builds one per load attempt with the same ``sources``."""
+    """One load attempt's streams from redundancy on one rank (every rank builds one with
+    the same ``repair``; None: nothing lost): what it sends, and its own shard when it was
+    lost."""
 
-    def __init__(self, dc: DistComm, levels: Levels, step: int, sources: Sources) -> None:
-        self.dc, self.levels, self.step, self.sources = dc, levels, step, sources
-        self.sends: list[CopySend] = []
+    def __init__(self, levels: Levels, step: int, repair: Repair | None) -> None:
+        self.streams: list[Streamed] = []
+        if repair is not None:
+            for name, part in repair.plan.parts.items():
+                got = levels.redundant[name].stream(step, part, repair.reports)
+                if got is not None:
+                    self.streams.append(got)
 
     def post(self) -> None:
-        """Post the sends of every copy this rank holds for a lost rank. A copy that cannot
-        be opened sends sizes (0, 0), so its rank fails at once, and raises. Local."""
-        dc = self.dc
-        for rank, (name, holder) in sorted(self.sources.items()):
-            if holder != dc.rank:
-                continue
-            path = self.levels.redundant[name].copy_of(self.step, rank)
-            send = CopySend(path or Path(f"{name} copy of rank {rank}"), rank,
-                            dc.bulk_tag(self.step, dc.rank, rank), step=self.step, level=name)
-            self.sends.append(send)
-            send.post(dc.comm)
+        """Post this rank's sends (non-blocking). Local."""
+        for stream in self.streams:
+            stream.post()
 
-    def open(self, world: int) -> RemoteShard | None:
-        """This rank's shard from the rank holding its copy (header received and checked),
-        or None when its own shard is intact. CorruptCheckpointError when the header is
-        not this rank's shard. Local (the holder posts the sends)."""
-        dc = self.dc
-        if dc.rank not in self.sources:
-            return None
-        name, holder = self.sources[dc.rank]
-        where = Path(f"{name} copy of rank {dc.rank}'s shard of step {self.step} on rank "
-                     f"{holder}")
-        return RemoteShard.receive(dc, holder, dc.bulk_tag(self.step, holder, dc.rank),
-                                   path=where, rank=dc.rank, step=self.step, world=world,
-                                   level=name)
+    def open(self, world: int) -> Shard | None:
+        """This rank's shard streamed from redundancy (header checked), or None when its
+        own is intact. Local."""
+        for stream in self.streams:
+            shard = stream.open(world)
+            if shard is not None:
+                return shard
+        return None
 
     def finish(self, ok: bool) -> None:
-        """Complete the sends (``ok``: every rank loaded, so they were all received) or
-        release them. Local."""
-        for send in self.sends:
-            send.finish(self.dc, ok)
-        self.sends = []
+        """End the streams (``ok``: every rank loaded). Local."""
+        for stream in self.streams:
+            stream.finish(ok)

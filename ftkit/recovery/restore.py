@@ -71,9 +71,10 @@ class Discovery:
     # what ``step`` is owed once loaded from copies: the lost shards on disk, re-protection
     nbytes: int = 0                 # tensor bytes of this rank's shard, once loaded
 
-    def loaded_from(self) -> dict[str, int]:
-        """Lost rank (a string) -> the rank whose copy of its shard it loaded."""
-        return {str(r): holder for r, (_, holder) in self.sources.items()}
+    def loaded_from(self) -> dict[str, Any]:
+        """Lost rank (a string) -> where its shard was loaded from: the rank whose copy it
+        received, or the erasure set it was decoded from."""
+        return {str(r): where for r, where in self.sources.items()}
 
     def unusable(self) -> dict[int, str]:
         """Every committed step on the node-local levels that cannot be used, with why."""
@@ -131,7 +132,7 @@ class Restorer:
         then loads an older step or a PFS step over all of them, or raises (a skipped step makes
         a restore that finds nothing else an :class:`UnrecoverableError`), so ``state`` is never
         returned half old, half new. All ranks call."""
-        fetch = peerload.Fetch(self.dc, self.levels, found.step, found.sources)
+        fetch = peerload.Fetch(self.levels, found.step, found.repair)
         loaded = False
         try:
             loaded = self._load(found, state, fetch)
@@ -212,7 +213,7 @@ class Restorer:
                                           data=step in found.verify)
             reports = dc.allgather(report, "restore-discover", step)
             plan = make_plan(step, reports, found.levels_of[step], levels.covers(), found.nodes)
-            sources = peerload.sources(plan, levels.covers()) if plan.ok else None
+            sources = peerload.sources(plan, levels.covers(), reports) if plan.ok else None
             if sources and step not in found.verify:      # loaded from the copies, repaired after
                 found.sources = sources
                 found.repair = peerload.Repair(plan, reports, found.levels_of[step], sources)

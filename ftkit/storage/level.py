@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.errors import one_line
+from ftkit.storage.shard import Shard
 
 
 class Level(abc.ABC):
@@ -65,6 +65,18 @@ def ranks_text(ranks: Sequence[int], node_name: Sequence[str]) -> str:
     return f"rank(s) {', '.join(map(str, ranks))} on {', '.join(nodes)}"
 
 
+class Streamed(Protocol):
+    """One rank's side of one load of lost shards straight from a redundancy level: what it
+    sends (:meth:`post`, non-blocking), its own shard when it is one of them (:meth:`open`),
+    and the end (:meth:`finish`: ``ok`` once every rank loaded)."""
+
+    def post(self) -> None: ...
+
+    def open(self, world: int) -> Shard | None: ...
+
+    def finish(self, ok: bool) -> None: ...
+
+
 class Cover(abc.ABC):
     """Which ranks' shards one redundancy level can rebuild: its placement over the whole job
     (the same object on every rank) and the pure solver over every rank's report.
@@ -87,10 +99,10 @@ class Cover(abc.ABC):
     def rebuilt(self, part: Any) -> list[int]:
         """The ranks whose shards ``part`` rebuilds."""
 
-    def holder(self, rank: int) -> int | None:
-        """The rank that holds a whole copy of ``rank``'s shard (a ``copy`` cover: a lost
-        rank may load straight from it, :mod:`ftkit.storage.redundancy.fetch`), else
-        None."""
+    def streams(self, part: Any, reports: Sequence[Report]) -> dict[int, Any] | None:
+        """Where each shard of ``part`` can be loaded from straight into its rank's live
+        state (lost rank -> the rank or the set it streams from, for the events), or None
+        when the level cannot (its part is rebuilt on disk first). Pure."""
         return None
 
 
@@ -118,9 +130,10 @@ class Redundancy(Level):
         except Exception as exc:  # noqa: BLE001 - any failure: the level's data is unusable
             return self.unusable(one_line(exc))
 
-    def copy_of(self, step: int, source: int) -> Path | None:
-        """The file on this rank that holds a whole copy of rank ``source``'s shard of
-        ``step`` (see :meth:`Cover.holder`), else None. Local."""
+    def stream(self, step: int, part: Any, reports: Sequence[Report]) -> Streamed | None:
+        """This rank's side of loading the shards of ``part`` straight into their ranks'
+        live state (:meth:`Cover.streams` said the level can), or None when it has no side.
+        Every rank calls with the same arguments."""
         return None
 
     @abc.abstractmethod

@@ -75,6 +75,37 @@ def test_lost_ranks_load_from_the_partner_copies(ftkit_env, async_):
          ["partner: copies of ranks [0, 1] sent again"])]
 
 
+@pytest.mark.parametrize("levels", ["local:1,xor:1", "local:1,rs:1"])
+def test_lost_members_are_decoded_straight_into_their_state(ftkit_env, levels):
+    """Sets {0, 2} and {1, 3} (XOR, or RS with one parity: a plain XOR too): node 1's ranks
+    decode their shards from their sets as the pieces stream in (the restore event names
+    the sets), bit-exact; the repair then writes the shards and parity on node 1 again, so
+    the step survives losing node 0 next."""
+    name = levels.split(",")[1].split(":")[0]
+    config = {"levels": levels, "xor_set": 2, "rs_set": 2, "rs_parity": 1}
+    with topology() as topo:
+        expected = save_steps(topo, [1], **config)
+        lose_node(ftkit_env, 1)
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(**config))
+        step = ckpt.restore(state)
+        ckpt.wait()
+        on_node1 = sorted(p.name for p in ftkit_env.step_dir(1, 1).glob("*.ftk"))
+        ckpt.close()
+        lose_node(ftkit_env, 0)
+        again = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(**config))
+        second = ckpt.restore(again)
+        ckpt.close()
+    assert allgather(step) == [1] * 4 and allgather(second) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    assert allgather(diff(expected[1], canon(again))) == [[]] * 4
+    assert on_node1 == sorted([f"{name}-0-1.ftk", f"{name}-1-1.ftk", "rank-2.ftk", "rank-3.ftk"])
+    restores = _of(ftkit_env, "restore")
+    assert restores[0]["loaded_from"] == {"2": f"{name} set 0", "3": f"{name} set 1"}
+    assert restores[1]["loaded_from"] == {"0": f"{name} set 0", "1": f"{name} set 1"}
+
+
 def test_a_copy_damaged_at_rest_is_caught_as_it_lands(ftkit_env):
     """Step 2's copy of rank 0 has a flipped byte in a tensor (discovery reads headers only):
     rank 0's load from it fails its checksum, every rank agrees, the step is looked at

@@ -45,6 +45,7 @@ from ftkit.fs import write_atomic
 from ftkit.storage.level import Cover, Redundancy, Report, ranks_text
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
+from ftkit.storage.redundancy.decodeload import ErasureStream, xor_terms
 from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.redundancy.transfer import StreamCheck, mapped
 from ftkit.storage.shard import ALIGN, READ_CHUNK, XXH3, Shard, checksum, write_shard
@@ -178,6 +179,21 @@ class ErasureCover(Cover):
 
     def rebuilt(self, part: dict[int, list[int]]) -> list[int]:
         return [self.sets[sid][i] for sid, idx in part.items() for i in idx]
+
+    def streams(self, part: dict[int, list[int]], reports: Sequence[Report]
+                ) -> dict[int, str] | None:
+        """Lost members load straight from their set when every decode is a plain XOR
+        (:func:`~ftkit.storage.redundancy.decodeload.xor_terms`); else None. Pure."""
+        out: dict[int, str] = {}
+        for sid, idx in part.items():
+            members = self.sets[sid]
+            data_ok = [i not in idx for i in range(len(members))]
+            p_ok = [parity_ok(reports[r], self.name) for r in members]
+            for i in idx:
+                if xor_terms(Layout(len(members), self.parity), i, idx, data_ok, p_ok) is None:
+                    return None
+                out[members[i]] = f"{self.name} set {sid}"
+        return out
 
 
 def _solvable(layout: Layout, lost_idx: list[int], data_ok: list[bool],
@@ -493,6 +509,17 @@ class ErasureLevel(Redundancy):
         oks = [parity_ok(reports[r], self.name) for r in self.members]
         header = next(reports[r][self.name] for r, ok in zip(self.members, oks) if ok)
         self.decode(step, part[self.set_id], [have[r] for r in self.members], oks, header)
+
+    def stream(self, step: int, part: Any, reports: Sequence[Report]) -> ErasureStream | None:
+        """This member's side of loading its set's lost members straight from the set
+        (None when the set lost none)."""
+        if self.set_id not in part:
+            return None
+        lost = part[self.set_id]
+        oks = [parity_ok(reports[r], self.name) for r in self.members]
+        header = next(reports[r][self.name] for r, ok in zip(self.members, oks) if ok)
+        return ErasureStream(self, step, lost, [i not in lost for i in range(len(self.members))],
+                             oks, header)
 
     def decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
                header: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from ftkit.errors import CorruptCheckpointError
 from ftkit.faults import Faults
 from ftkit.storage.level import Cover, Redundancy, Report
 from ftkit.storage.local import LocalLevel
+from ftkit.storage.redundancy.fetch import CopySend, RemoteShard
 from ftkit.storage.redundancy.transfer import Verify, exchange
 from ftkit.storage.shard import Shard
 from ftkit.storage.site import Site
@@ -56,8 +57,9 @@ class PartnerCover(Cover):
     def rebuilt(self, part: list[int]) -> list[int]:
         return list(part)
 
-    def holder(self, rank: int) -> int:
-        return self.partners[rank]
+    def streams(self, part: list[int], reports: Sequence[Report]) -> dict[int, int]:
+        """Each lost rank loads from the rank holding its copy. Pure."""
+        return {r: self.partners[r] for r in part}
 
 
 def _short(state: object) -> str:
@@ -95,8 +97,8 @@ class PartnerLevel(Redundancy):
     def copy_path(self, step: int, source: int) -> Path:
         return self.local.step_dir(step) / f"partner-{source}.ftk"
 
-    def copy_of(self, step: int, source: int) -> Path | None:
-        return self.copy_path(step, source) if source in self.sources else None
+    def stream(self, step: int, part: Any, reports: Sequence[Report]) -> CopyStream:
+        return CopyStream(self, step, list(part))
 
     def _verify(self, step: int, *, mine: bool = False) -> Verify:
         """Checks for received shards of ``step``: the sender's own shard, or (``mine``)
@@ -199,3 +201,45 @@ class PartnerLevel(Redundancy):
         recvs = [(self.local.shard_path(step), holder)] if self.rank in lost else []
         exchange(self.dc, sends, recvs, "restore-rebuild", step,
                  verify=self._verify(step, mine=True), slots={holder: self.local.slots})
+
+
+class CopyStream:
+    """One load of the ``lost`` ranks' shards straight from their copies, on one rank of the
+    partner level's communicator: the copies it holds for them are sent
+    (:class:`~ftkit.storage.redundancy.fetch.CopySend`), its own shard is received when it
+    is lost (:class:`~ftkit.storage.redundancy.fetch.RemoteShard`)."""
+
+    def __init__(self, level: PartnerLevel, step: int, lost: list[int]) -> None:
+        self.level, self.step, self.lost = level, step, lost
+        self.sends: list[CopySend] = []
+
+    def post(self) -> None:
+        """Post the sends of the copies this rank holds for lost ranks (a copy that does
+        not open tells its rank at once, and raises). Local."""
+        lv, dc = self.level, self.level.dc
+        for q in self.lost:
+            if lv.partners[q] == dc.rank:
+                send = CopySend(lv.copy_path(self.step, q), q,
+                                dc.bulk_tag(self.step, dc.rank, q), step=self.step,
+                                level=lv.name)
+                self.sends.append(send)
+                send.post(dc.comm)
+
+    def open(self, world: int) -> RemoteShard | None:
+        """This rank's shard from its copy (header received and checked), or None when it
+        is not lost. Local (the holder posts the sends)."""
+        lv, dc = self.level, self.level.dc
+        if dc.rank not in self.lost:
+            return None
+        holder = lv.partners[dc.rank]
+        where = Path(f"{lv.name} copy of rank {dc.rank}'s shard of step {self.step} on rank "
+                     f"{holder}")
+        return RemoteShard.receive(dc, holder, dc.bulk_tag(self.step, holder, dc.rank),
+                                   path=where, rank=dc.rank, step=self.step, world=world,
+                                   level=lv.name)
+
+    def finish(self, ok: bool) -> None:
+        """Complete the sends (``ok``: every rank loaded) or release them. Local."""
+        for send in self.sends:
+            send.finish(self.level.dc, ok)
+        self.sends = []

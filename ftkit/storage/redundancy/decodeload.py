@@ -1,0 +1,354 @@
+"""Load a lost set member's shard straight from its erasure set into its live state: decoded
+piece by piece as it streams in, no whole-shard buffer, no file written first.
+
+Used when every coefficient the decode needs is 1 (XOR, and Reed–Solomon with one parity:
+the lost bytes are the XOR of what the chosen members hold); other decodes are rebuilt on
+disk first (:meth:`ErasureLevel.decode`). Both ends derive the same plan from the layout
+(:class:`~ftkit.storage.redundancy.stripes.Layout`) and every member's report: the lost
+member's file is its ``m`` data segments in order, cut into pieces of at most
+:data:`~ftkit.storage.redundancy.transfer.CHUNK`; for the piece at file offset ``F`` each
+*contributor* (a member whose data or parity segment of that stripe the decode chose) sends
+the same range of its segment — a view of its mapped shard or parity file, no copy. The lost
+member (:class:`DecodedShard`) receives every contributor's piece into a small buffer,
+:data:`WINDOW` pieces in flight, XORs them (the piece of its file), and routes the bytes in
+file order: the first ones are the preamble and header (checked like a local shard's: header
+checksum, rank, step, world size), then each tensor's range goes into its destination (the
+live tensor), hashed as it lands and compared with the tensor's recorded checksum at its end.
+Memory: ``(WINDOW + 1) x contributors`` pieces. A wrong or damaged contribution fails a
+tensor's checksum (or the header's), like a damaged local shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from mpi4py import MPI
+
+from ftkit import passes
+from ftkit.buffers import aligned_empty
+from ftkit.comm.dist import DistComm
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage.redundancy.stripes import Layout
+from ftkit.storage.redundancy.transfer import CHUNK, WINDOW
+from ftkit.storage.shard import (
+    _PREAMBLE,
+    XXH3,
+    Landing,
+    Shard,
+    ShardFormatError,
+    header_length,
+    parse_header,
+)
+
+PHASE = "restore-load"
+#: a contribution: (owner member index, "d" data segment or "p" parity slot, its index)
+Term = tuple[int, str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One piece of the lost member's file: ``n`` bytes at file offset ``at``, found at
+    ``offset`` of each contributor's segment ``terms``."""
+
+    at: int
+    n: int
+    offset: int
+    terms: tuple[Term, ...]
+
+
+def xor_terms(layout: Layout, lost: int, lost_all: Sequence[int], data_ok: Sequence[bool],
+              parity_ok: Sequence[bool]) -> list[tuple[Term, ...]] | None:
+    """For each data segment q of member ``lost`` (its stripes in order), the segments whose
+    XOR is it; None when a decode needs a coefficient other than 1 (or cannot decode).
+    ``lost_all``: every lost member of the set. Pure."""
+    out: list[tuple[Term, ...]] = []
+    for t in range(layout.k):
+        dm, hold = layout.data_members(t), layout.holders(t)
+        if lost not in dm:
+            continue
+        plan = layout.decode_rows(t, {x for x, mem in enumerate(dm)
+                                      if data_ok[mem] and mem not in lost_all},
+                                  {j for j, h in enumerate(hold) if parity_ok[h]})
+        if plan is None:
+            return None
+        chosen, inv = plan
+        row = inv[dm.index(lost)]
+        if any(c not in (0, 1) for c in row):
+            return None
+        terms = []
+        for c, (kind, idx) in zip(row, chosen):
+            if c:
+                owner = dm[idx] if kind == "d" else hold[idx]
+                terms.append((owner, "d", layout.seg_index(owner, t)) if kind == "d" else
+                             (owner, "p", layout.parity_slot(owner, t)))
+        out.append(tuple(terms))
+    return out
+
+
+def pieces(terms: list[tuple[Term, ...]], seg: int, size: int) -> list[Piece]:
+    """The pieces of a ``size``-byte file of segments of ``seg`` bytes (both ends)."""
+    out: list[Piece] = []
+    for q, ts in enumerate(terms):
+        for o in range(0, seg, CHUNK):
+            at = q * seg + o
+            if at >= size:
+                return out
+            out.append(Piece(at, min(CHUNK, seg - o, size - at), o, ts))
+    return out
+
+
+class DecodedSend:
+    """This member's contributions to lost member ``lost``'s pieces: non-blocking sends of
+    views of its segments (``mine[(kind, index)]``), all posted at once."""
+
+    def __init__(self, dc: DistComm, lost: int, plan: list[Piece], tag: int, step: int
+                 ) -> None:
+        self.dc, self.lost, self.plan, self.tag, self.step = dc, lost, plan, tag, step
+        self.reqs: list[MPI.Request] = []
+        self.keep: list[np.ndarray] = []
+        self.nbytes = 0
+
+    def post(self, mine: dict[tuple[str, int], np.ndarray]) -> None:
+        me = self.dc.rank
+        for piece in self.plan:
+            for owner, kind, idx in piece.terms:
+                if owner == me:
+                    view = mine[(kind, idx)][piece.offset:piece.offset + piece.n]
+                    self.reqs.append(self.dc.comm.Isend([view, MPI.BYTE], self.lost, self.tag))
+                    self.keep.append(view)
+                    self.nbytes += piece.n
+        passes.count("send", self.nbytes)
+
+    def finish(self, ok: bool) -> None:
+        try:
+            if ok:
+                self.dc.waitall_bulk(self.reqs, PHASE, self.step, self.nbytes, self.keep)
+            else:
+                self.dc.release(self.reqs, self.keep)
+        finally:
+            self.reqs, self.keep = [], []
+
+
+class _Stream:
+    """The lost member's file bytes, in order, from the contributors' pieces (XORed)."""
+
+    def __init__(self, dc: DistComm, plan: list[Piece], tags: dict[int, int], step: int
+                 ) -> None:
+        self.dc, self.plan, self.tags, self.step = dc, plan, tags, step
+        width = max((len(p.terms) for p in plan), default=1)
+        self._ring = [[aligned_empty(CHUNK) for _ in range(width)] for _ in range(WINDOW + 1)]
+        self._flight: deque[tuple[Piece, list[MPI.Request], list[np.ndarray]]] = deque()
+        self._next = 0                              # index of the next piece to post
+        self._done = 0                              # pieces consumed
+        self._cur: tuple[int, np.ndarray] | None = None    # the current piece: at, bytes
+        self._clock = dc.deadline(sum(p.n * len(p.terms) for p in plan))
+
+    def _fill(self) -> None:
+        while len(self._flight) < WINDOW and self._next < len(self.plan):
+            piece = self.plan[self._next]
+            bufs = [b[:piece.n] for b in self._ring[self._next % (WINDOW + 1)]][:len(piece.terms)]
+            reqs = [self.dc.comm.Irecv([b, MPI.BYTE], owner, self.tags[owner])
+                    for b, (owner, _, _) in zip(bufs, piece.terms)]
+            self._flight.append((piece, reqs, bufs))
+            self._next += 1
+
+    def _advance(self) -> bool:
+        """Make the next piece current; False at the end of the file."""
+        self._fill()
+        if not self._flight:
+            self._cur = None
+            return False
+        piece, reqs, bufs = self._flight[0]
+        while not MPI.Request.Testall(reqs):
+            if self._clock.expired():
+                raise self.dc.timeout_error(PHASE, self.step,
+                                            nbytes=sum(p.n for p in self.plan))
+            time.sleep(0)
+        self._flight.popleft()
+        out = bufs[0]
+        for other in bufs[1:]:
+            np.bitwise_xor(out, other, out=out)
+        passes.count("recv", piece.n * len(bufs))
+        self._cur = (piece.at, out)
+        self._done += 1
+        return True
+
+    def take(self, a: int, b: int) -> Iterator[np.ndarray]:
+        """Views of the file's bytes ``a .. b`` in order (each valid until the next);
+        ``a`` never goes back."""
+        while a < b:
+            if self._cur is None or self._cur[0] + len(self._cur[1]) <= a:
+                if not self._advance():
+                    raise EOFError(f"the file ends before byte {b}")
+                continue
+            at, buf = self._cur
+            lo, hi = a - at, min(b, at + len(buf)) - at
+            yield buf[lo:hi]
+            a = at + hi
+
+    def drain(self) -> None:
+        """Receive whatever is left (so every contributor's sends complete)."""
+        while self._advance():
+            pass
+
+    def release(self) -> None:
+        self.dc.release([r for _, reqs, _ in self._flight for r in reqs],
+                        [b for _, _, bufs in self._flight for b in bufs])
+        self._flight.clear()
+
+
+class DecodedShard(Shard):
+    """The lost member's shard decoded from its set's pieces (:class:`_Stream`), read tensor
+    by tensor like a local :class:`Shard`; tensors must be read in file order (the restore
+    reads them in header order, which is the file's)."""
+
+    def __init__(self, path: Path, header: dict[str, Any], stream: _Stream) -> None:
+        super().__init__(path, None, header)
+        self.stream = stream
+
+    @classmethod
+    def receive(cls, dc: DistComm, plan: list[Piece], tags: dict[int, int], *, size: int,
+                path: Path, rank: int, step: int, world: int, level: str) -> DecodedShard:
+        """Decode and check the preamble and header of this rank's shard of ``step`` (a
+        ``size``-byte file) from the pieces of ``plan``, each contributor's with its tag
+        (``tags[owner]``). CorruptCheckpointError naming ``path`` when they do not check
+        or are not this rank's shard; also when the tensors are not in file order."""
+        stream = _Stream(dc, plan, tags, step)
+
+        def bad(reason: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(str(path), f"decoded from {level} parity: {reason}",
+                                          rank=rank, step=step, level=level)
+        try:
+            pre = b"".join(v.tobytes() for v in stream.take(0, _PREAMBLE.size))
+            hend = _PREAMBLE.size + header_length(pre, size)
+            head = pre + b"".join(v.tobytes() for v in stream.take(_PREAMBLE.size, hend))
+            header, _ = parse_header(head, size)
+        except (ShardFormatError, EOFError) as exc:
+            stream.release()
+            raise bad(str(exc)) from None
+        shard = cls(path, header, stream)
+        offsets = [t["offset"] for t in header["tensors"]]
+        try:
+            shard.check_identity(rank=rank, step=step, world=world, level=level)
+            if offsets != sorted(offsets) or header["tree"] is None:
+                raise bad("tensors not in file order, or no state tree")
+        except CorruptCheckpointError:
+            stream.release()
+            raise
+        return shard
+
+    def read_into(self, index: int, dest: np.ndarray) -> bool:
+        t, h = self.tensors[index], xxhash.xxh3_64()
+        pos = 0
+        for view in self._take(t):
+            dest[pos:pos + len(view)] = view
+            h.update(view.data)
+            pos += len(view)
+        passes.count("copy", t["nbytes"])
+        return XXH3 + h.hexdigest() == t["checksum"]
+
+    def read_through(self, index: int, landing: Landing) -> bool:
+        t, h = self.tensors[index], xxhash.xxh3_64()
+        pos = 0
+        for view in self._take(t):
+            for a in range(0, len(view), landing.piece):
+                part = view[a:a + landing.piece]
+                buf = landing.buffer(pos, len(part))
+                np.copyto(buf, part)
+                h.update(part.data)
+                landing.land(pos, buf)
+                pos += len(part)
+        return XXH3 + h.hexdigest() == t["checksum"]
+
+    def _take(self, t: dict[str, Any]) -> Iterator[np.ndarray]:
+        try:
+            yield from self.stream.take(t["offset"], t["offset"] + t["nbytes"])
+        except EOFError as exc:
+            raise CorruptCheckpointError(str(self.path), str(exc), rank=self.header["rank"],
+                                         step=self.header["step"]) from None
+
+    def finish(self, ok: bool) -> None:
+        """After the load: receive the rest of the file (``ok``) or release the receives."""
+        if ok:
+            self.stream.drain()
+        else:
+            self.stream.release()
+
+    def close(self) -> None:
+        """Nothing is mapped or open."""
+
+
+
+class ErasureStream:
+    """One load of set members ``lost`` decoded straight into their live state, on one member
+    of the set (``level``: an ``ErasureLevel``; its communicator, layout and segments): the
+    pieces it contributes are sent, its own shard is decoded when it is lost. ``header``:
+    an intact parity header of the set (segment size, every member's size)."""
+
+    def __init__(self, level: Any, step: int, lost: list[int], data_ok: list[bool],
+                 parity_ok: list[bool], header: dict[str, Any]) -> None:
+        self.level, self.step, self.lost = level, step, lost
+        self.data_ok, self.parity_ok = data_ok, parity_ok
+        self.seg, self.sizes = int(header["seg"]), [int(n) for n in header["sizes"]]
+        self.sends: list[DecodedSend] = []
+        self.shard: DecodedShard | None = None
+        self._maps = contextlib.ExitStack()
+
+    def _plan(self, member: int) -> list[Piece]:
+        terms = xor_terms(self.level.layout, member, self.lost, self.data_ok, self.parity_ok)
+        assert terms is not None            # the cover said every lost member streams
+        return pieces(terms, self.seg, self.sizes[member])
+
+    def post(self) -> None:
+        """Post the sends of this member's contributions (views of its mapped shard and
+        parity). Local."""
+        lv, dc = self.level, self.level.sdc
+        me = dc.rank
+        plans = {x: self._plan(x) for x in self.lost}
+        mine = None
+        for x, plan in plans.items():
+            if not any(owner == me for p in plan for owner, _, _ in p.terms):
+                continue
+            if mine is None:
+                mine = lv._my_segments(self._maps, self.step, self.data_ok[me],
+                                       self.parity_ok[me], self.seg)
+            send = DecodedSend(dc, x, plan, dc.bulk_tag(self.step, me, x), self.step)
+            self.sends.append(send)
+            send.post(mine)
+
+    def open(self, world: int) -> DecodedShard | None:
+        """This member's shard, decoded as it streams (header checked), or None when it is
+        not lost. Local (the contributors post their sends)."""
+        lv, dc = self.level, self.level.sdc
+        me = dc.rank
+        if me not in self.lost:
+            return None
+        plan = self._plan(me)
+        owners = sorted({owner for p in plan for owner, _, _ in p.terms})
+        tags = {o: dc.bulk_tag(self.step, o, me) for o in owners}
+        rank = lv.members[me]
+        where = Path(f"rank {rank}'s shard of step {self.step} decoded from {lv.name} set "
+                     f"{lv.set_id}")
+        self.shard = DecodedShard.receive(dc, plan, tags, size=self.sizes[me], path=where,
+                                          rank=rank, step=self.step, world=world,
+                                          level=lv.name)
+        return self.shard
+
+    def finish(self, ok: bool) -> None:
+        """Receive the rest of the decoded file or release it; complete or release the
+        sends; unmap. Local."""
+        try:
+            if self.shard is not None:
+                self.shard.finish(ok)
+            for send in self.sends:
+                send.finish(ok)
+        finally:
+            self.sends, self.shard = [], None
+            self._maps.close()
