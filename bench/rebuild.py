@@ -135,7 +135,8 @@ def _child(args: argparse.Namespace) -> None:
             lose(cfg, set(range(world)))
             _disk.drop_pages(host, cfg.job_pfs_dir)
             rounds.setdefault("pfs_cold", []).append(timed_restore(cfg, live())[0])
-        costs = {}
+        costs = {"nothing_lost[partner]": _mpi.costs(
+            comm, lambda: restore(cfgs["partner"], live()), n * 4)}
         for level in LEVELS:
             lose(cfgs[level], last)
             state = live()

@@ -203,3 +203,75 @@ def test_a_remote_shard_reads_tensors_into_place_and_checks_them(ftkit_env, tmp_
         got = outs[0].view(np.float32)
         assert np.count_nonzero(got != state["a"]) == 1
         assert np.array_equal(outs[1].view(np.int64), state["b"])
+
+
+def test_damaged_parity_fails_the_streamed_load_and_the_older_step_is_used(ftkit_env):
+    """Step 2's parity on node 0 has a flipped byte (discovery reads headers only): the
+    lost members' streamed decode fails a tensor checksum, the step is looked at again with
+    every byte and skipped (naming the parity), and step 1 is decoded, bit-exact."""
+    config = {"levels": "local:1,xor:1", "xor_set": 2}
+    with topology() as topo:
+        expected = save_steps(topo, [1, 2], **config)
+        lose_node(ftkit_env, 1)
+        if RANK == 0:
+            for parity in ftkit_env.step_dir(0, 2).glob("xor-*.ftk"):
+                flip_byte(parity)
+        WORLD.Barrier()
+        state = small_state(RANK, 0)
+        ckpt = Checkpointer(topo, Config.load(**config))
+        step = ckpt.restore(state)
+        ckpt.close()
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    [skip] = _of(ftkit_env, "restore-skip")
+    assert skip["step"] == 2 and "xor" in skip["reason"], skip
+    assert _of(ftkit_env, "restore")[0]["loaded_from"] == {"2": "xor set 0", "3": "xor set 1"}
+
+
+def test_a_decoded_file_that_does_not_check_is_not_kept(ftkit_env, tmp_path):
+    """A contributor's piece carries a flipped byte: the decoding rank receives everything
+    (the contributor's sends complete), keeps nothing and raises, naming the file."""
+    from ftkit.capture.flatten import flatten
+    from ftkit.storage.redundancy.decodeload import (
+        DecodedSend,
+        _Stream,
+        pieces,
+        receive_file,
+    )
+    from ftkit.storage.redundancy.transfer import StreamCheck, mapped
+    from ftkit.storage.shard import write_shard
+    from ftkit.storage.slots import Slots
+
+    state = {"a": np.arange(700_000, dtype=np.float32)}
+    outcome: list[Any] = []
+
+    def run(dc: DistComm) -> None:
+        src = Path(tmp_path) / "src.ftk"
+        if dc.rank == 0:
+            tree, leaves = flatten(state)
+            write_shard(src, {"rank": 1, "step": 4, "world": 2}, tree, leaves,
+                        [lf.source.view(np.uint8) for lf in leaves])
+            flip_byte(src, src.stat().st_size - 5)
+        size = dc.comm.bcast(src.stat().st_size if dc.rank == 0 else None, root=0)
+        plan = pieces([((0, "d", 0),)], -(-size // 64) * 64, size)
+        if dc.rank == 0:
+            with mapped(src) as view:
+                send = DecodedSend(dc, 1, plan, 9, 4)
+                send.post({("d", 0): view})
+                send.finish(True)
+                outcome.append("sent")
+        else:
+            dest = Path(tmp_path) / "node" / "rank-1.ftk"
+            dest.parent.mkdir()
+            check = StreamCheck(dest, size, source=0, rank=1, step=4, world=None,
+                                level="xor", counted=False)
+            outcome.append(catch(receive_file, _Stream(dc, plan, {0: 9}, 4), size, dest,
+                                 Slots(dest.parent, 1), check))
+            outcome.append(sorted(p.name for p in dest.parent.iterdir()))
+    _two_ranks(run)
+    if RANK == 0:
+        assert outcome == ["sent"]
+    elif RANK == 1:
+        err, names = outcome
+        assert isinstance(err, CorruptCheckpointError) and "rank-1.ftk" in str(err), err
+        assert "rank-1.ftk" not in names, names

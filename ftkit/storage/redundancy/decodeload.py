@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -35,8 +36,9 @@ from ftkit import passes
 from ftkit.buffers import aligned_empty
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
+from ftkit.fs import create_temp, rename_into_place, write_all
 from ftkit.storage.redundancy.stripes import Layout
-from ftkit.storage.redundancy.transfer import CHUNK, WINDOW
+from ftkit.storage.redundancy.transfer import CHUNK, WINDOW, StreamCheck
 from ftkit.storage.shard import (
     _PREAMBLE,
     XXH3,
@@ -46,6 +48,7 @@ from ftkit.storage.shard import (
     header_length,
     parse_header,
 )
+from ftkit.storage.slots import Slots
 
 PHASE = "restore-load"
 #: a contribution: (owner member index, "d" data segment or "p" parity slot, its index)
@@ -341,6 +344,35 @@ class ErasureStream:
                                           level=lv.name)
         return self.shard
 
+    def rebuild(self) -> None:
+        """Decode the lost members' shards into their node-local slots (or plain files when
+        no slot is free), each checked as it lands (:func:`receive_file`), with bounded
+        buffers. Every member of the set calls; a lost member raises CorruptCheckpointError
+        when its decoded shard does not check."""
+        lv, dc = self.level, self.level.sdc
+        me, ok = dc.rank, False
+        self.post()
+        try:
+            if me in self.lost:
+                plan = self._plan(me)
+                tags = {o: dc.bulk_tag(self.step, o, me)
+                        for o in sorted({owner for p in plan for owner, _, _ in p.terms})}
+                path = lv.local.shard_path(self.step)
+                check = StreamCheck(path, self.sizes[me], source=me, rank=lv.members[me],
+                                    step=self.step, world=None, level=lv.name, counted=False,
+                                    damage=f"decoded from {lv.name} parity of set "
+                                           f"{lv.set_id} (a member's data or parity is "
+                                           f"damaged)")
+                lv.local.ensure_step_dir(self.step)
+                receive_file(_Stream(dc, plan, tags, self.step), self.sizes[me], path,
+                             lv.local.slots, check)
+            ok = True
+        finally:
+            for send in self.sends:
+                send.finish(ok)
+            self.sends = []
+            self._maps.close()
+
     def finish(self, ok: bool) -> None:
         """Receive the rest of the decoded file or release it; complete or release the
         sends; unmap. Local."""
@@ -352,3 +384,52 @@ class ErasureStream:
         finally:
             self.sends, self.shard = [], None
             self._maps.close()
+
+
+def receive_file(stream: _Stream, size: int, path: Path, slots: Slots,
+                 check: StreamCheck) -> None:
+    """Write the ``size`` bytes of ``stream`` as ``path``: into a claimed slot of ``slots``
+    (published once complete), else a private temp file (fsynced, renamed into place);
+    every piece checked by ``check`` before it is kept. After a mismatch the rest is still
+    received (so every contributor's sends complete) but nothing more is kept, and the
+    CorruptCheckpointError is raised; nothing is published then. Local."""
+    claimed = None
+    with contextlib.suppress(OSError):
+        claimed = slots.claim(size)
+    fd, tmp = create_temp(path) if claimed is None else (None, None)
+    error: CorruptCheckpointError | None = None
+    try:
+        pos = 0
+        for view in stream.take(0, size):
+            if error is None:
+                try:
+                    check.feed(view)
+                except CorruptCheckpointError as exc:
+                    error = exc
+            if error is None:
+                if claimed is not None:
+                    claimed[1][pos:pos + len(view)] = view
+                else:
+                    write_all(fd, view)     # type: ignore[arg-type]
+            pos += len(view)
+        stream.drain()
+        if error is not None:
+            raise error
+        check.finish()
+        if claimed is not None:
+            slots.publish(claimed[0], path)
+        else:
+            assert fd is not None and tmp is not None
+            os.fsync(fd)
+            os.close(fd)
+            fd = None
+            rename_into_place(tmp, path)
+            tmp = None
+    except BaseException:
+        stream.release()
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)

@@ -524,7 +524,12 @@ class ErasureLevel(Redundancy):
     def decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
                header: dict[str, Any]) -> None:
         """Rebuild the shards of set members ``lost`` (set indices). Every member of the set
-        calls with the same arguments; a lost member writes and verifies its shard."""
+        calls with the same arguments; a lost member writes and verifies its shard. A plain
+        XOR decode streams into the lost members' slots with bounded buffers
+        (:meth:`ErasureStream.rebuild`); others reduce whole segments."""
+        if all(xor_terms(self.layout, x, lost, data_ok, parity_ok) is not None for x in lost):
+            ErasureStream(self, step, lost, data_ok, parity_ok, header).rebuild()
+            return
         me, s = self.index, int(header["seg"])
         with contextlib.ExitStack() as stack:
             mine = self._my_segments(stack, step, data_ok[me], parity_ok[me], s)
