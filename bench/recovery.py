@@ -27,8 +27,12 @@ Phases (they add up to the total):
   ranks are at the same point: the step's all-reduce precedes the line);
 * relaunch: ``attempt-end`` -> start of the relaunched job's restore (``restore`` event time
   minus its ``seconds``): relaunch, interpreter and torch start-up, MPI/gloo init, topology;
-* discovery: restore ``discover_s`` minus the ``rebuild`` seconds;
-* rebuild: ``rebuild`` event ``seconds`` (0 when none);
+* discovery: restore ``discover_s`` (minus the ``rebuild`` seconds when the rebuild ran in
+  it: not after a streamed load);
+* rebuild: ``rebuild`` event ``seconds`` (0 when none); after a load streamed from the
+  partner copies (its ``loaded_from``) it is the repair that follows the restore (the lost
+  shards written to node 1 again, its copies sent again: before the first step, saves being
+  synchronous), and it is not counted in the first step;
 * load: restore ``seconds`` minus ``discover_s`` (for ``pfs_only``: reading the PFS files
   and loading them);
 * first step: end of restore (``restore`` event time) -> arrival of the relaunched
@@ -150,14 +154,17 @@ def phases(out: RunOutput) -> dict[str, Any]:
         raise RuntimeError("the run has no attempt-end of attempt 0 or no restore of attempt 1")
     rebuild = _event(out, "rebuild", 1)
     rebuild_s = float(rebuild["seconds"]) if rebuild else 0.0
+    # a streamed load (``loaded_from``): the rebuild is the repair after the restore event,
+    # before the first step (synchronous saves); else it is part of discovery
+    streamed = bool(rebuild and rebuild.get("loaded_from"))
     restore_end = float(restore["time"])
     restore_start = restore_end - float(restore["seconds"])
     split = {"detection": float(end["time"]) - fail,
              "relaunch": restore_start - float(end["time"]),
-             "discovery": float(restore["discover_s"]) - rebuild_s,
+             "discovery": float(restore["discover_s"]) - (0.0 if streamed else rebuild_s),
              "rebuild": rebuild_s,
              "load": float(restore["seconds"]) - float(restore["discover_s"]),
-             "first_step": first - restore_end}
+             "first_step": first - restore_end - (rebuild_s if streamed else 0.0)}
     result: dict[str, Any] = {f"{k}_s": round(v, 6) for k, v in split.items()}
     result["total_s"] = round(first - fail, 6)
     result["restore_s"] = round(float(restore["seconds"]), 6)

@@ -205,7 +205,7 @@ class Checkpointer:
         return step
 
     def _repair(self, found: recovery.Discovery | None) -> None:
-        """What the restored step is owed after lost shards were loaded straight from copies
+        """What the restored step is owed after lost shards were streamed from redundancy
         (:meth:`Restorer.repair`): on the checkpoint thread, where the next save (or
         ``wait``/``close``) waits for it; now when saves are synchronous. All ranks call."""
         if found is None or found.repair is None:

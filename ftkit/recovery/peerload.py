@@ -1,15 +1,17 @@
-"""A lost shard loaded straight from a whole copy on another node; what the loss took is
-made again after the load (on the checkpoint thread when saves are asynchronous).
+"""A lost shard loaded straight from redundancy into its rank's live state; what the loss
+took is made again after the load (on the checkpoint thread when saves are asynchronous).
 
-When every shard a step lost has a whole copy on another node (a ``copy`` level such as
-``partner``), the restore does not rebuild them on disk first: each lost rank receives its
-shard from the rank that holds the copy straight into its live tensors, checked as it lands
-(:mod:`ftkit.storage.redundancy.fetch`), while the other ranks load their own shards from
-their nodes. Only then is the step repaired (:class:`Repair`): the lost shards are written
-into node-local slots from the same copies and the copies and parity the lost node held are
-made again (:func:`ftkit.recovery.rebuild.execute`). Until the repair ends, the step is
-protected as the failure left it: a second failure that takes a copy still needed costs this
-step (the restore falls back to an older step or the PFS, docs/protocol.md), never a torn one.
+When one level rebuilds every shard a step lost and can stream them (its cover says so:
+``partner`` from a whole copy on another node, ``xor`` and one-parity ``rs`` by a plain XOR
+decode), the restore does not rebuild them on disk first: each lost rank receives its shard
+straight into its live tensors, checked as it lands (:mod:`ftkit.storage.redundancy.fetch`,
+:mod:`ftkit.storage.redundancy.decodeload`), while the other ranks load their own shards
+from their nodes. Only then is the step repaired (:class:`Repair`): the lost shards are
+written into node-local slots from the same copies or parity and the copies and parity the
+lost node held are made again (:func:`ftkit.recovery.rebuild.execute`). Until the repair
+ends, the step is protected as the failure left it: a second failure that takes a copy or
+parity still needed costs this step (the restore falls back to an older step or the PFS,
+docs/protocol.md), never a torn one.
 """
 from __future__ import annotations
 

@@ -66,9 +66,9 @@ class Discovery:
     # steps discovery checks every byte of (a load or a rebuild of them failed once); the
     # others only by their headers: loading and rebuilding verify the bytes they use
     sources: peerload.Sources = dataclasses.field(default_factory=dict)
-    # lost ranks of ``step`` that load straight from a copy on another node (level, holder)
+    # lost ranks of ``step`` that load straight from redundancy -> where from (a rank, a set)
     repair: peerload.Repair | None = None
-    # what ``step`` is owed once loaded from copies: the lost shards on disk, re-protection
+    # what ``step`` is owed once loaded with streamed shards: them on disk, re-protection
     nbytes: int = 0                 # tensor bytes of this rank's shard, once loaded
 
     def loaded_from(self) -> dict[str, Any]:
@@ -265,10 +265,10 @@ class Restorer:
                   by_level=plan.parts, reprotected=again, **extra)
 
     def repair(self, found: Discovery) -> None:
-        """After ``found.step`` was loaded with lost shards taken straight from copies:
-        write those shards into their node-local slots from the same copies and re-protect
-        the step (:func:`ftkit.recovery.rebuild.execute`), then report it (a ``rebuild``
-        event with ``loaded_from``: lost rank -> the rank whose copy it loaded). A failure
+        """After ``found.step`` was loaded with lost shards streamed from redundancy:
+        write those shards into their node-local slots from the same copies or parity and
+        re-protect the step (:func:`ftkit.recovery.rebuild.execute`), then report it (a
+        ``rebuild`` event with ``loaded_from``: lost rank -> where it streamed from). A failure
         is logged and reported (``repair-failed``), never raised: the step was loaded, and
         the next committed step is protected whole. Does nothing when nothing is owed.
         All ranks call (on the checkpoint thread when saves are asynchronous)."""
