@@ -135,8 +135,9 @@ def _child(args: argparse.Namespace) -> None:
             lose(cfg, set(range(world)))
             _disk.drop_pages(host, cfg.job_pfs_dir)
             rounds.setdefault("pfs_cold", []).append(timed_restore(cfg, live())[0])
+        state = live()
         costs = {"nothing_lost[partner]": _mpi.costs(
-            comm, lambda: restore(cfgs["partner"], live()), n * 4)}
+            comm, lambda: restore(cfgs["partner"], state), n * 4)}
         for level in LEVELS:
             lose(cfgs[level], last)
             state = live()

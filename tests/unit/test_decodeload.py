@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ftkit.storage.redundancy.decodeload import pieces, xor_terms
+from ftkit.storage.redundancy.fetch import PIECE
 from ftkit.storage.redundancy.stripes import Layout
-from ftkit.storage.redundancy.transfer import CHUNK
 
 
 def test_an_xor_member_is_the_xor_of_the_others_segments_and_parity():
@@ -26,7 +26,7 @@ def test_pieces_cover_the_file_in_order_and_stop_at_its_size():
     lay = Layout(2, 1)
     terms = xor_terms(lay, 1, [1], [True, False], [True, True])
     assert terms is not None
-    seg, size = 3 * CHUNK, 2 * CHUNK + 100
+    seg, size = 3 * PIECE, 2 * PIECE + 100
     got = pieces(terms, seg, size)
     assert [(p.at, p.n, p.offset) for p in got] == [
-        (0, CHUNK, 0), (CHUNK, CHUNK, CHUNK), (2 * CHUNK, 100, 2 * CHUNK)]
+        (0, PIECE, 0), (PIECE, PIECE, PIECE), (2 * PIECE, 100, 2 * PIECE)]

@@ -6,15 +6,15 @@ the lost bytes are the XOR of what the chosen members hold); other decodes are r
 disk first (:meth:`ErasureLevel.decode`). Both ends derive the same plan from the layout
 (:class:`~ftkit.storage.redundancy.stripes.Layout`) and every member's report: the lost
 member's file is its ``m`` data segments in order, cut into pieces of at most
-:data:`~ftkit.storage.redundancy.transfer.CHUNK`; for the piece at file offset ``F`` each
+:data:`~ftkit.storage.redundancy.fetch.PIECE`; for the piece at file offset ``F`` each
 *contributor* (a member whose data or parity segment of that stripe the decode chose) sends
 the same range of its segment — a view of its mapped shard or parity file, no copy. The lost
 member (:class:`DecodedShard`) receives every contributor's piece into a small buffer,
-:data:`WINDOW` pieces in flight, XORs them (the piece of its file), and routes the bytes in
+:data:`FLIGHT` pieces in flight, XORs them (the piece of its file), and routes the bytes in
 file order: the first ones are the preamble and header (checked like a local shard's: header
 checksum, rank, step, world size), then each tensor's range goes into its destination (the
 live tensor), hashed as it lands and compared with the tensor's recorded checksum at its end.
-Memory: ``(WINDOW + 1) x contributors`` pieces. A wrong or damaged contribution fails a
+Memory: ``(FLIGHT + 1) x contributors`` pieces. A wrong or damaged contribution fails a
 tensor's checksum (or the header's), like a damaged local shard.
 """
 from __future__ import annotations
@@ -37,8 +37,9 @@ from ftkit.buffers import aligned_empty
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.fs import create_temp, rename_into_place, write_all
+from ftkit.storage.redundancy.fetch import FLIGHT, PIECE
 from ftkit.storage.redundancy.stripes import Layout
-from ftkit.storage.redundancy.transfer import CHUNK, WINDOW, StreamCheck
+from ftkit.storage.redundancy.transfer import StreamCheck
 from ftkit.storage.shard import (
     _PREAMBLE,
     XXH3,
@@ -99,11 +100,11 @@ def pieces(terms: list[tuple[Term, ...]], seg: int, size: int) -> list[Piece]:
     """The pieces of a ``size``-byte file of segments of ``seg`` bytes (both ends)."""
     out: list[Piece] = []
     for q, ts in enumerate(terms):
-        for o in range(0, seg, CHUNK):
+        for o in range(0, seg, PIECE):
             at = q * seg + o
             if at >= size:
                 return out
-            out.append(Piece(at, min(CHUNK, seg - o, size - at), o, ts))
+            out.append(Piece(at, min(PIECE, seg - o, size - at), o, ts))
     return out
 
 
@@ -146,7 +147,7 @@ class _Stream:
                  ) -> None:
         self.dc, self.plan, self.tags, self.step = dc, plan, tags, step
         width = max((len(p.terms) for p in plan), default=1)
-        self._ring = [[aligned_empty(CHUNK) for _ in range(width)] for _ in range(WINDOW + 1)]
+        self._ring = [[aligned_empty(PIECE) for _ in range(width)] for _ in range(FLIGHT + 1)]
         self._flight: deque[tuple[Piece, list[MPI.Request], list[np.ndarray]]] = deque()
         self._next = 0                              # index of the next piece to post
         self._done = 0                              # pieces consumed
@@ -154,9 +155,9 @@ class _Stream:
         self._clock = dc.deadline(sum(p.n * len(p.terms) for p in plan))
 
     def _fill(self) -> None:
-        while len(self._flight) < WINDOW and self._next < len(self.plan):
+        while len(self._flight) < FLIGHT and self._next < len(self.plan):
             piece = self.plan[self._next]
-            bufs = [b[:piece.n] for b in self._ring[self._next % (WINDOW + 1)]][:len(piece.terms)]
+            bufs = [b[:piece.n] for b in self._ring[self._next % (FLIGHT + 1)]][:len(piece.terms)]
             reqs = [self.dc.comm.Irecv([b, MPI.BYTE], owner, self.tags[owner])
                     for b, (owner, _, _) in zip(bufs, piece.terms)]
             self._flight.append((piece, reqs, bufs))
