@@ -1,20 +1,20 @@
-"""Load a lost set member's shard straight from its erasure set into its live state: decoded
-piece by piece as it streams in, no whole-shard buffer, no file written first.
+"""Decode a lost set member's shard from its erasure set piece by piece as it streams in,
+with bounded buffers: straight into its live state (a restore), or into a node-local slot
+(a rebuild on disk). No whole-shard buffer, no reduction over whole segments.
 
-Used when every coefficient the decode needs is 1 (XOR, and Reed–Solomon with one parity:
-the lost bytes are the XOR of what the chosen members hold); other decodes are rebuilt on
-disk first (:meth:`ErasureLevel.decode`). Both ends derive the same plan from the layout
+Both ends derive the same plan from the layout
 (:class:`~ftkit.storage.redundancy.stripes.Layout`) and every member's report: the lost
 member's file is its ``m`` data segments in order, cut into pieces of at most
 :data:`~ftkit.storage.redundancy.fetch.PIECE`; for the piece at file offset ``F`` each
 *contributor* (a member whose data or parity segment of that stripe the decode chose) sends
 the same range of its segment — a view of its mapped shard or parity file, no copy. The lost
 member (:class:`DecodedShard`) receives every contributor's piece into a small buffer,
-:data:`FLIGHT` pieces in flight, XORs them (the piece of its file), and routes the bytes in
-file order: the first ones are the preamble and header (checked like a local shard's: header
+:data:`FLIGHT` pieces in flight, sums them with their GF(256) coefficients (XOR when all are
+1: XOR and one-parity Reed–Solomon; ``gf256.mad_into`` otherwise) into the piece of its
+file, and routes the bytes in file order: the first ones are the preamble and header (checked like a local shard's: header
 checksum, rank, step, world size), then each tensor's range goes into its destination (the
 live tensor), hashed as it lands and compared with the tensor's recorded checksum at its end.
-Memory: ``(FLIGHT + 1) x contributors`` pieces. A wrong or damaged contribution fails a
+Memory: ``(FLIGHT + 1) x (contributors + 1)`` pieces. A wrong or damaged contribution fails a
 tensor's checksum (or the header's), like a damaged local shard.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ftkit.buffers import aligned_empty
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.fs import create_temp, rename_into_place, write_all
+from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.fetch import FLIGHT, PIECE
 from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.redundancy.transfer import StreamCheck
@@ -52,8 +53,9 @@ from ftkit.storage.shard import (
 from ftkit.storage.slots import Slots
 
 PHASE = "restore-load"
-#: a contribution: (owner member index, "d" data segment or "p" parity slot, its index)
-Term = tuple[int, str, int]
+#: a contribution: (owner member index, "d" data segment or "p" parity slot, its index,
+#: its GF(256) coefficient)
+Term = tuple[int, str, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +69,12 @@ class Piece:
     terms: tuple[Term, ...]
 
 
-def xor_terms(layout: Layout, lost: int, lost_all: Sequence[int], data_ok: Sequence[bool],
-              parity_ok: Sequence[bool]) -> list[tuple[Term, ...]] | None:
-    """For each data segment q of member ``lost`` (its stripes in order), the segments whose
-    XOR is it; None when a decode needs a coefficient other than 1 (or cannot decode).
-    ``lost_all``: every lost member of the set. Pure."""
+def decode_terms(layout: Layout, lost: int, lost_all: Sequence[int],
+                 data_ok: Sequence[bool], parity_ok: Sequence[bool]
+                 ) -> list[tuple[Term, ...]] | None:
+    """For each data segment q of member ``lost`` (its stripes in order), the segments and
+    GF(256) coefficients whose sum is it (all 1 for XOR: their XOR); None when a stripe
+    cannot be decoded. ``lost_all``: every lost member of the set. Pure."""
     out: list[tuple[Term, ...]] = []
     for t in range(layout.k):
         dm, hold = layout.data_members(t), layout.holders(t)
@@ -83,15 +86,12 @@ def xor_terms(layout: Layout, lost: int, lost_all: Sequence[int], data_ok: Seque
         if plan is None:
             return None
         chosen, inv = plan
-        row = inv[dm.index(lost)]
-        if any(c not in (0, 1) for c in row):
-            return None
         terms = []
-        for c, (kind, idx) in zip(row, chosen):
+        for c, (kind, idx) in zip(inv[dm.index(lost)], chosen):
             if c:
                 owner = dm[idx] if kind == "d" else hold[idx]
-                terms.append((owner, "d", layout.seg_index(owner, t)) if kind == "d" else
-                             (owner, "p", layout.parity_slot(owner, t)))
+                terms.append((owner, "d", layout.seg_index(owner, t), c) if kind == "d" else
+                             (owner, "p", layout.parity_slot(owner, t), c))
         out.append(tuple(terms))
     return out
 
@@ -122,7 +122,7 @@ class DecodedSend:
     def post(self, mine: dict[tuple[str, int], np.ndarray]) -> None:
         me = self.dc.rank
         for piece in self.plan:
-            for owner, kind, idx in piece.terms:
+            for owner, kind, idx, _ in piece.terms:
                 if owner == me:
                     view = mine[(kind, idx)][piece.offset:piece.offset + piece.n]
                     self.reqs.append(self.dc.comm.Isend([view, MPI.BYTE], self.lost, self.tag))
@@ -140,13 +140,28 @@ class DecodedSend:
             self.reqs, self.keep = [], []
 
 
+def _combine(terms: Sequence[Term], bufs: list[np.ndarray]) -> np.ndarray:
+    """The sum over GF(256) of the received pieces ``bufs[i]`` times their terms'
+    coefficients, in place: in a piece whose coefficient is 1 when there is one (XOR: no
+    multiplication at all), else in the spare buffer ``bufs[len(terms)]``."""
+    ones = [i for i, term in enumerate(terms) if term[3] == 1]
+    if ones:
+        first, out = ones[0], bufs[ones[0]]
+    else:
+        first, out = 0, gf256.scale_into(bufs[len(terms)], terms[0][3], bufs[0])
+    for i, term in enumerate(terms):
+        if i != first:
+            gf256.mad_into(out, term[3], bufs[i])
+    return out
+
+
 class _Stream:
     """The lost member's file bytes, in order, from the contributors' pieces (XORed)."""
 
     def __init__(self, dc: DistComm, plan: list[Piece], tags: dict[int, int], step: int
                  ) -> None:
         self.dc, self.plan, self.tags, self.step = dc, plan, tags, step
-        width = max((len(p.terms) for p in plan), default=1)
+        width = max((len(p.terms) for p in plan), default=1) + 1     # + the sum
         self._ring = [[aligned_empty(PIECE) for _ in range(width)] for _ in range(FLIGHT + 1)]
         self._flight: deque[tuple[Piece, list[MPI.Request], list[np.ndarray]]] = deque()
         self._next = 0                              # index of the next piece to post
@@ -157,9 +172,9 @@ class _Stream:
     def _fill(self) -> None:
         while len(self._flight) < FLIGHT and self._next < len(self.plan):
             piece = self.plan[self._next]
-            bufs = [b[:piece.n] for b in self._ring[self._next % (FLIGHT + 1)]][:len(piece.terms)]
+            bufs = [b[:piece.n] for b in self._ring[self._next % (FLIGHT + 1)]]
             reqs = [self.dc.comm.Irecv([b, MPI.BYTE], owner, self.tags[owner])
-                    for b, (owner, _, _) in zip(bufs, piece.terms)]
+                    for b, (owner, *_) in zip(bufs, piece.terms)]
             self._flight.append((piece, reqs, bufs))
             self._next += 1
 
@@ -176,11 +191,8 @@ class _Stream:
                                             nbytes=sum(p.n for p in self.plan))
             time.sleep(0)
         self._flight.popleft()
-        out = bufs[0]
-        for other in bufs[1:]:
-            np.bitwise_xor(out, other, out=out)
-        passes.count("recv", piece.n * len(bufs))
-        self._cur = (piece.at, out)
+        self._cur = (piece.at, _combine(piece.terms, bufs))
+        passes.count("recv", piece.n * len(piece.terms))
         self._done += 1
         return True
 
@@ -306,7 +318,8 @@ class ErasureStream:
         self._maps = contextlib.ExitStack()
 
     def _plan(self, member: int) -> list[Piece]:
-        terms = xor_terms(self.level.layout, member, self.lost, self.data_ok, self.parity_ok)
+        terms = decode_terms(self.level.layout, member, self.lost, self.data_ok,
+                             self.parity_ok)
         assert terms is not None            # the cover said every lost member streams
         return pieces(terms, self.seg, self.sizes[member])
 
@@ -318,7 +331,7 @@ class ErasureStream:
         plans = {x: self._plan(x) for x in self.lost}
         mine = None
         for x, plan in plans.items():
-            if not any(owner == me for p in plan for owner, _, _ in p.terms):
+            if not any(owner == me for p in plan for owner, *_ in p.terms):
                 continue
             if mine is None:
                 mine = lv._my_segments(self._maps, self.step, self.data_ok[me],
@@ -335,7 +348,7 @@ class ErasureStream:
         if me not in self.lost:
             return None
         plan = self._plan(me)
-        owners = sorted({owner for p in plan for owner, _, _ in p.terms})
+        owners = sorted({owner for p in plan for owner, *_ in p.terms})
         tags = {o: dc.bulk_tag(self.step, o, me) for o in owners}
         rank = lv.members[me]
         where = Path(f"rank {rank}'s shard of step {self.step} decoded from {lv.name} set "
@@ -357,7 +370,7 @@ class ErasureStream:
             if me in self.lost:
                 plan = self._plan(me)
                 tags = {o: dc.bulk_tag(self.step, o, me)
-                        for o in sorted({owner for p in plan for owner, _, _ in p.terms})}
+                        for o in sorted({owner for p in plan for owner, *_ in p.terms})}
                 path = lv.local.shard_path(self.step)
                 check = StreamCheck(path, self.sizes[me], source=me, rank=lv.members[me],
                                     step=self.step, world=None, level=lv.name, counted=False,

@@ -35,20 +35,19 @@ import xxhash
 from mpi4py import MPI
 
 from ftkit import passes
-from ftkit.buffers import aligned_empty, aligned_zeros
+from ftkit.buffers import aligned_empty
 from ftkit.capture.flatten import TensorLeaf
 from ftkit.comm.dist import DistComm
 from ftkit.comm.placement import set_of
 from ftkit.errors import CorruptCheckpointError
 from ftkit.faults import Faults
-from ftkit.fs import write_atomic
 from ftkit.storage.level import Cover, Redundancy, Report, ranks_text
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
-from ftkit.storage.redundancy.decodeload import ErasureStream, xor_terms
+from ftkit.storage.redundancy.decodeload import ErasureStream, decode_terms
 from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.redundancy.transfer import StreamCheck, mapped
-from ftkit.storage.shard import ALIGN, READ_CHUNK, XXH3, Shard, checksum, write_shard
+from ftkit.storage.shard import ALIGN, READ_CHUNK, XXH3, Shard, write_shard
 from ftkit.storage.site import Site
 from ftkit.storage.slots import Reservation, Slots
 
@@ -182,17 +181,17 @@ class ErasureCover(Cover):
 
     def streams(self, part: dict[int, list[int]], reports: Sequence[Report]
                 ) -> dict[int, str] | None:
-        """Lost members load straight from their set when every decode is a plain XOR
-        (:func:`~ftkit.storage.redundancy.decodeload.xor_terms`); else None. Pure."""
+        """Lost members load straight from their set, decoded as the pieces stream in
+        (:mod:`ftkit.storage.redundancy.decodeload`). Pure."""
         out: dict[int, str] = {}
         for sid, idx in part.items():
             members = self.sets[sid]
             data_ok = [i not in idx for i in range(len(members))]
             p_ok = [parity_ok(reports[r], self.name) for r in members]
-            for i in idx:
-                if xor_terms(Layout(len(members), self.parity), i, idx, data_ok, p_ok) is None:
-                    return None
-                out[members[i]] = f"{self.name} set {sid}"
+            lay = Layout(len(members), self.parity)
+            if any(decode_terms(lay, i, idx, data_ok, p_ok) is None for i in idx):
+                return None
+            out.update({members[i]: f"{self.name} set {sid}" for i in idx})
         return out
 
 
@@ -523,56 +522,12 @@ class ErasureLevel(Redundancy):
 
     def decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
                header: dict[str, Any]) -> None:
-        """Rebuild the shards of set members ``lost`` (set indices). Every member of the set
-        calls with the same arguments; a lost member writes and verifies its shard. A plain
-        XOR decode streams into the lost members' slots with bounded buffers
-        (:meth:`ErasureStream.rebuild`); others reduce whole segments."""
-        if all(xor_terms(self.layout, x, lost, data_ok, parity_ok) is not None for x in lost):
-            ErasureStream(self, step, lost, data_ok, parity_ok, header).rebuild()
-            return
-        me, s = self.index, int(header["seg"])
-        with contextlib.ExitStack() as stack:
-            mine = self._my_segments(stack, step, data_ok[me], parity_ok[me], s)
-            out = self._decode(step, lost, data_ok, parity_ok, mine, s)
-        if me in lost:
-            self._write_rebuilt(step, out, int(header["sizes"][me]), header["checksums"][me])
-
-    def _decode(self, step: int, lost: list[int], data_ok: list[bool], parity_ok: list[bool],
-                mine: dict[tuple[str, int], np.ndarray], s: int) -> list[np.ndarray]:
-        lay, me = self.layout, self.index
-        out = [aligned_zeros(s) for _ in range(lay.m)] if me in lost else []
-        reqs, keep = [], []
-        zeros = np.zeros(s, dtype=np.uint8)
-        for t in range(lay.k):
-            dm, hold = lay.data_members(t), lay.holders(t)
-            missing = [x for x, mem in enumerate(dm) if mem in lost]
-            if not missing:
-                continue
-            plan = lay.decode_rows(t, {x for x, mem in enumerate(dm) if data_ok[mem]},
-                                   {j for j, h in enumerate(hold) if parity_ok[h]})
-            if plan is None:
-                raise CorruptCheckpointError(str(self.parity_path(step)),
-                                             f"stripe {t} cannot be decoded", step=step,
-                                             level=self.name)
-            chosen, inv = plan
-            for x in missing:
-                send = zeros
-                for a, (kind, idx) in enumerate(chosen):
-                    owner = dm[idx] if kind == "d" else hold[idx]
-                    if owner == me:
-                        seg = mine[("d", lay.seg_index(me, t)) if kind == "d" else
-                                   ("p", lay.parity_slot(me, t))]
-                        c = inv[x][a]
-                        send = seg if c == 1 else gf256.scale_into(np.empty(s, np.uint8), c,
-                                                                   seg)
-                target = dm[x]
-                recv = _words(out[lay.seg_index(me, t)]) if target == me else None
-                reqs.append(self.sdc.comm.Ireduce(_words(send), recv, op=MPI.BXOR,
-                                                  root=target))
-                keep.append(send)
-        self.sdc.waitall_bulk(reqs, "restore-rebuild", step, s * len(reqs), [*keep, *out],
-                              cancel=False)
-        return out
+        """Rebuild the shards of set members ``lost`` (set indices) into their node-local
+        slots, decoded piece by piece as the contributions stream in, each checked as it
+        lands (:meth:`ErasureStream.rebuild`: bounded buffers). Every member of the set
+        calls with the same arguments; a lost member raises CorruptCheckpointError when
+        its decoded shard does not check."""
+        ErasureStream(self, step, lost, data_ok, parity_ok, header).rebuild()
 
     def _my_segments(self, stack: contextlib.ExitStack, step: int, data_ok: bool,
                      parity_ok: bool, s: int) -> dict[tuple[str, int], np.ndarray]:
@@ -591,13 +546,3 @@ class ErasureLevel(Redundancy):
             for j in range(self.layout.p):
                 out[("p", j)] = shard.raw(j)
         return out
-
-    def _write_rebuilt(self, step: int, segs: list[np.ndarray], size: int, want: str) -> None:
-        data = np.concatenate(segs)[:size] if segs else np.empty(0, np.uint8)
-        path = self.local.shard_path(step)
-        if checksum(data) != want:
-            raise CorruptCheckpointError(str(path), f"shard rebuilt from {self.name} parity "
-                                         f"does not match its recorded checksum",
-                                         rank=self.local.rank, step=step, level=self.name)
-        self.local.ensure_step_dir(step)
-        write_atomic(path, [data])
