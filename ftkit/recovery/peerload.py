@@ -2,8 +2,8 @@
 took is made again after the load (on the checkpoint thread when saves are asynchronous).
 
 When one level rebuilds every shard a step lost and can stream them (its cover says so:
-``partner`` from a whole copy on another node, ``xor`` and one-parity ``rs`` by a plain XOR
-decode), the restore does not rebuild them on disk first: each lost rank receives its shard
+``partner`` from a whole copy on another node, ``xor`` and ``rs`` by decoding from the set
+as the pieces arrive), the restore does not rebuild them on disk first: each lost rank receives its shard
 straight into its live tensors, checked as it lands (:mod:`ftkit.storage.redundancy.fetch`,
 :mod:`ftkit.storage.redundancy.decodeload`), while the other ranks load their own shards
 from their nodes. Only then is the step repaired (:class:`Repair`): the lost shards are
@@ -32,8 +32,8 @@ def sources(plan: Plan, covers: Sequence[Cover], reports: Sequence[Report]
             ) -> Sources | None:
     """Where each lost shard of ``plan`` loads from straight into its rank's live state:
     only when one level rebuilds all of them and its cover can stream them (a whole copy,
-    a plain XOR decode); else None (rebuilt on disk first: a Reed–Solomon decode, or a set
-    that leans on a shard another level rebuilds). Pure."""
+    an erasure decode); else None (rebuilt on disk first: a set that leans on a shard
+    another level rebuilds, a level that cannot stream). Pure."""
     if not plan.lost or len(plan.parts) != 1:
         return None
     [(name, part)] = plan.parts.items()

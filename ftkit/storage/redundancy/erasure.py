@@ -1,9 +1,10 @@
 """XOR and Reed–Solomon levels: parity of an erasure set, spread over its members.
 
-Layout and code: :mod:`ftkit.storage.redundancy.stripes`. Encoding and decoding are the same
-MPI pattern: for every parity (or lost) segment, each member contributes its GF(256)-scaled segment (or
-zeros) to an ``Ireduce(op=BXOR)`` rooted at the member that keeps the result. XOR sends views
-of the mapped shard (no copy); RS sends scaled copies.
+Layout and code: :mod:`ftkit.storage.redundancy.stripes`. Encoding is a ring reduce-scatter
+of partial sums (:meth:`ErasureLevel._reduce_parity`): XOR sends views of the mapped shard
+(no copy), RS scaled copies. Decoding streams: the members a stripe's decode chose send views
+of their segments to the lost member, which sums them with their GF(256) coefficients as
+they land, into its live state or a slot (:mod:`ftkit.storage.redundancy.decodeload`).
 
 ``step-<s>/<xor|rs>-<set>-<index>.ftk`` is written with the shard format: its ``p`` parity
 segments are checksummed tensors and its header records the set, the size and the whole-file
