@@ -1,14 +1,17 @@
 """In-job recovery against a relaunch: time from a rank's death to the first training step
 committed again, same example, same ranks, alternating rounds.
 
-    python bench/injob.py [--example toy|hp_gpt] [--ranks 8] [--repeat 5] [--steps 40] [--out DIR]
+    python bench/injob.py [--example toy|hp_gpt] [--ranks 8] [--repeat 5] [--steps 40]
+                          [--hidden N] [--lose rank|node] [--out DIR]
 
 Every round is one real job of the example (``examples/toy_dp.py``, or ``examples/hp_gpt.py``
 as dp2 x tp2 x pp2 at 8 ranks: dp is ``ranks / 4``) on ``--ranks`` working ranks in
 virtual nodes of 2 (``FTKIT_LEVELS=local:1,partner:1``, node-local directories in a private
 temporary directory), killed from outside: once step ``K`` (random, 8..steps-10) is
 committed (``commit`` event), the benchmark SIGKILLs one random working rank's process and
-notes the wall clock. Two kinds of round, alternating:
+notes the wall clock (``--lose node``: both ranks of that rank's virtual node, and then
+removes the node's node-local directory: a lost node; ``--hidden``: the toy's width, so its
+state per rank is about ``216 x hidden`` bytes). Two kinds of round, alternating:
 
 * ``in_job``: ``ftkit run --in-job --spares 2``; recovered = the ``in-job-step`` event (the
   first step committed after the spare took the rank's place, same processes);
@@ -43,10 +46,14 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 
 
-def example_command(example: str, ranks: int, steps: int) -> list[str]:
-    """The training command of one round (seeded: every round trains the same steps)."""
+def example_command(example: str, ranks: int, steps: int, hidden: int | None = None
+                    ) -> list[str]:
+    """The training command of one round (seeded: every round trains the same steps);
+    ``hidden``: the toy's hidden width (its state is about 216 bytes per unit: weights,
+    gradients' Adam moments)."""
     if example == "toy":
-        return [str(EXAMPLES / "toy_dp.py"), "--steps", str(steps), "--seed", "1"]
+        return [str(EXAMPLES / "toy_dp.py"), "--steps", str(steps), "--seed", "1",
+                *(["--hidden", str(hidden)] if hidden else [])]
     if ranks % 4:
         raise SystemExit(f"hp_gpt runs tp2 x pp2: --ranks {ranks} is not a multiple of 4")
     return [str(EXAMPLES / "hp_gpt.py"), "--dp", str(ranks // 4), "--tp", "2", "--pp", "2",
@@ -66,8 +73,12 @@ def _losses(out: str) -> dict[int, float]:
     return seen
 
 
-def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
-              victim: int) -> dict[str, Any]:
+def one_round(kind: str, args: argparse.Namespace, step: int, victim: int) -> dict[str, Any]:
+    """One job of ``kind``; at step ``step`` the victim is killed: rank ``victim``, or with
+    ``--lose node`` both ranks of its virtual node, whose node-local directory is then
+    removed (a lost node: its memory goes with it)."""
+    example, ranks, steps = args.example, args.ranks, args.steps
+    victims = [victim] if args.lose == "rank" else [victim - victim % 2, victim - victim % 2 + 1]
     tmp = Path(tempfile.mkdtemp(prefix=f"ftkit-injob-{kind}-"))
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FTKIT_")}
@@ -77,7 +88,8 @@ def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
         extra = ["--in-job", "--spares", "2"] if kind == "in_job" else ["--max-restarts", "1"]
         cmd = [sys.executable, "-m", "ftkit.cli.main", "run", "-n", str(ranks),
                "--ranks-per-node", "2", "--restart-delay", "0", "--attempt-timeout", "300",
-               *extra, "--", sys.executable, *example_command(example, ranks, steps)]
+               *extra, "--", sys.executable,
+               *example_command(example, ranks, steps, args.hidden)]
         proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         events = tmp / "pfs" / "bench" / "events.jsonl"
@@ -85,10 +97,14 @@ def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
         deadline = time.monotonic() + 300
         while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
             if any(e["event"] == "commit" and e["step"] >= step for e in read_events(events)):
-                pid = rank_processes(tmp, [victim]).get(victim)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
+                pids = rank_processes(tmp, victims)
+                if sorted(pids) == sorted(victims):
+                    for pid in pids.values():
+                        os.kill(pid, signal.SIGKILL)
                     killed_at = time.time()
+                    if args.lose == "node":
+                        shutil.rmtree(tmp / "local" / "bench" / f"node-{victim // 2}",
+                                      ignore_errors=True)
             time.sleep(0.01)
         out, err = proc.communicate(timeout=600)
         if proc.returncode != 0 or killed_at is None:
@@ -101,7 +117,7 @@ def one_round(kind: str, example: str, ranks: int, steps: int, step: int,
             back = [e["time"] for e in got if e["event"] == "commit" and e.get("attempt") == 1]
         digest = [json.loads(ln)["digest"] for ln in out.splitlines()
                   if ln.startswith('{"event": "done"')][-1]
-        return {"kind": kind, "step": step, "victim": victim,
+        return {"kind": kind, "step": step, "victim": victims,
                 "seconds": round(back[0] - killed_at, 3), "digest": digest,
                 "losses": _losses(out)}
     finally:
@@ -115,6 +131,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="the toy's hidden width (state ~216 bytes per unit; 1250000: 256 MiB)")
+    ap.add_argument("--lose", choices=("rank", "node"), default="rank",
+                    help="kill one rank, or both ranks of its virtual node and wipe its "
+                         "node-local directory")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
@@ -122,9 +143,9 @@ def main() -> None:
     rounds = []
     for i in range(args.repeat):
         for kind in (("in_job", "relaunch") if i % 2 == 0 else ("relaunch", "in_job")):
-            r = one_round(kind, args.example, args.ranks, args.steps,
-                          rng.randrange(8, args.steps - 10), rng.randrange(args.ranks))
-            print(f"round {i} {kind}: {r['seconds']:.3f} s (rank {r['victim']} killed "
+            r = one_round(kind, args, rng.randrange(8, args.steps - 10),
+                          rng.randrange(args.ranks))
+            print(f"round {i} {kind}: {r['seconds']:.3f} s (ranks {r['victim']} killed "
                   f"after step {r['step']})", flush=True)
             rounds.append(r)
     if len({r["digest"] for r in rounds}) != 1:
@@ -147,6 +168,7 @@ def main() -> None:
     name = "injob.json" if args.example == "toy" else f"injob_{args.example}.json"
     (args.out / name).write_text(json.dumps(
         {"example": args.example, "ranks": args.ranks, "spares": 2, "seed": seed,
+         "hidden": args.hidden, "lose": args.lose, "command": " ".join(sys.argv),
          "rounds": rounds,
          "summary": summary, "relaunch_over_in_job": ratio}, indent=2))
 

@@ -63,6 +63,8 @@ _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 _STARTUP_ERROR = re.compile(r"^((?:ModuleNotFoundError|ImportError|SyntaxError|IndentationError)"
                             r": .+|AttributeError: (?:partially initialized )?module '[^']+' "
                             r"has no attribute .+)$")
+#: the launcher's own runtime failed to come up: no rank ran, so a new launch is not a restart
+_LAUNCHER_START = re.compile(r"(The PMIx server's listener thread failed to start)")
 _OMPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon\. .*?Remote daemon: "
                                r"\S+ on node (\S+)")
 
@@ -114,12 +116,15 @@ class LauncherScan:
         self.found: dict[int, str] = {}
         self.lost_nodes: list[str] = []      # nodes whose MPI runtime daemon was lost
         self.load_error: str | None = None   # the first "ImportError: ..." a rank printed
+        self.start_error: str | None = None  # the launcher's runtime did not come up
         self._lines: collections.deque[str] = collections.deque(maxlen=WINDOW)
 
     def feed(self, line: str) -> None:
         """Take one more line of launcher output (local call)."""
         if self.load_error is None and (m := _STARTUP_ERROR.match(line.strip())):
             self.load_error = m.group(1)[:SHORT * 2]
+        if self.start_error is None and (m := _LAUNCHER_START.search(line)):
+            self.start_error = m.group(1)
         self._lines.append(" ".join(line.split()))
         if line.startswith("srun: error:"):
             hits = scan(self._lines[-1])          # one line each; never joined with the next

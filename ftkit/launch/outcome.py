@@ -39,6 +39,7 @@ class AttemptResult:
     fatal: dict[str, Any] | None = None  # see ftkit.jobdir.fatal
     resumed: int | None = None           # the step the attempt restored (events.jsonl)
     failed: dict[int, str] = dataclasses.field(default_factory=dict)   # rank -> how it failed
+    not_started: str | None = None       # the launcher's runtime failed before any rank ran
 
 
 def stall_reason(seconds: float) -> str:

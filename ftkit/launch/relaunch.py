@@ -258,6 +258,10 @@ def _wait(proc: subprocess.Popen[bytes], watch: AttemptWatch, grace: float,
                 return None
 
 
+#: launches of one attempt whose launcher failed before any rank ran, beyond the first
+START_RETRIES = 2
+
+
 def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path,
                 base_env: Mapping[str, str], interrupt: _Interrupt | None = None,
                 fatal_dir: Path | None = None, events: Path | None = None,
@@ -314,8 +318,9 @@ def run_attempt(launcher: Launcher, spec: RunSpec, attempt: int, done_file: Path
                    stalled=spec.stall_timeout if watch.why == "stall" else None,
                    startup=spec.startup_timeout if watch.why == "startup" else None,
                    released=released, lost=lost_daemons_reason(tee.scan.lost_nodes))
+    not_started = tee.scan.start_error if not result.ok and not watch.progressed() else None
     return dataclasses.replace(result, resumed=None if events is None
-                               else restored_step(events, attempt))
+                               else restored_step(events, attempt), not_started=not_started)
 
 
 def _empty_dir(path: Path) -> bool:
@@ -391,9 +396,8 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
                    launcher=launcher.name, argv=launcher.command(n, spec.cmd),
                    spares=spec.spares, ranks_per_node=spec.ranks_per_node,
                    start=spec.start(attempt), **_placement(launcher))
+            result = _launch(spec, cfg, launcher, attempt, base_env, interrupt, n, out)
             done = done_file_path(cfg, attempt)
-            result = run_attempt(launcher, spec, attempt, done, base_env, interrupt,
-                                 fatal_dir_path(cfg, attempt), cfg.events_path, n)
             _event(cfg, "attempt-end", attempt=attempt, rc=result.rc, ok=result.ok,
                    seconds=result.seconds, reason=result.reason, status=result.status,
                    failed={str(r): how for r, how in result.failed.items()},
@@ -416,6 +420,24 @@ def _run_attempts(spec: RunSpec, cfg: Config, launcher: Launcher,
             if attempt < spec.max_restarts:
                 _pause(delay, interrupt)
     return _finish(cfg, result, interrupt)
+
+
+def _launch(spec: RunSpec, cfg: Config, launcher: Launcher, attempt: int,
+            base_env: dict[str, str], interrupt: _Interrupt, n: int, out: TextIO
+            ) -> AttemptResult:
+    """Run ``attempt``; when the launcher's own runtime failed to come up before any rank
+    ran (:attr:`AttemptResult.not_started`: a transient start-up failure of the MPI
+    runtime), launch the same attempt again, up to :data:`START_RETRIES` times, without
+    spending a restart (a ``launch-retry`` event and a line say so)."""
+    for tries in range(START_RETRIES + 1):
+        result = run_attempt(launcher, spec, attempt, done_file_path(cfg, attempt), base_env,
+                             interrupt, fatal_dir_path(cfg, attempt), cfg.events_path, n)
+        if result.not_started is None or tries == START_RETRIES or interrupt.signum is not None:
+            return result
+        print(f"ftkit run: the launcher failed before any rank ran ({result.not_started}); "
+              f"launching attempt {attempt} again", file=out, flush=True)
+        _event(cfg, "launch-retry", attempt=attempt, reason=result.not_started, rc=result.rc)
+    return result
 
 
 def _pause(seconds: float, interrupt: _Interrupt) -> None:

@@ -807,3 +807,50 @@ def test_a_multi_line_exception_text_keeps_the_attempt_line_one_line() -> None:
     assert "\n" not in text and "Read error GLHF!" in text
     line = attempt_line(judge(0, 137, False, 1.0, 60, failed={3: "raised X:\nY\n"}), 3)
     assert "\n" not in line and "raised X: Y" in line
+
+
+_FLAKY_RANKS = """
+import os, pathlib, sys
+runs = pathlib.Path(sys.argv[1])
+seen = runs.read_text().split() if runs.exists() else []
+runs.write_text(" ".join(seen + [os.environ["FTKIT_ATTEMPT"]]))
+if len(seen) < int(sys.argv[2]):
+    sys.stderr.write("The PMIx server's listener thread failed to start. We cannot\\n"
+                     "continue.\\n")
+    sys.exit(213)
+pathlib.Path(os.environ["FTKIT_DONE_FILE"]).write_text("{}")
+"""
+
+
+def _flaky_launcher(runs: Path, failures: int) -> type[Launcher]:
+    class Flaky(_ToyLauncher):
+        """Its runtime fails to come up ``failures`` times before the ranks run."""
+
+        name = "flaky"
+
+        def command(self, n: int, cmd: Sequence[str]) -> list[str]:
+            return [sys.executable, "-c", _FLAKY_RANKS, str(runs), str(failures)]
+    return Flaky
+
+
+@pytest.mark.parametrize("failures,launches,rc", [(1, 2, 0), (5, 3, 213)])
+def test_a_launcher_that_fails_before_any_rank_ran_is_launched_again(
+        launch_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+        failures: int, launches: int, rc: int) -> None:
+    """The MPI runtime's own start-up failed (no rank ran): the same attempt is launched
+    again, at most twice more, without spending a restart; faults and markers keyed by the
+    attempt number stay aligned (every launch is attempt 0)."""
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    runs = tmp_path / "runs"
+    registry.register("flaky", _flaky_launcher(runs, failures))
+    assert main(["run", "--launcher", "flaky", "--max-restarts", "0", "-n", "2", "--",
+                 "x"]) == rc
+    assert runs.read_text().split() == ["0"] * launches
+    events = read_events(launch_env / "events.jsonl")
+    retries = [e for e in events if e["event"] == "launch-retry"]
+    assert [(e["attempt"], e["rc"]) for e in retries] == [(0, 213)] * (launches - 1)
+    assert "listener thread failed to start" in retries[0]["reason"]
+    out = capsys.readouterr().out
+    assert out.count("launching attempt 0 again") == launches - 1
+    assert out.count("ftkit run: attempt 0:") == 1, out
