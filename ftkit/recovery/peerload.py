@@ -48,7 +48,6 @@ class Repair:
     plan: Plan
     reports: list[Report]
     step_levels: list[str]
-    sources: Sources
 
 
 class Fetch:

@@ -142,8 +142,8 @@ class Restorer:
 
     def _load(self, found: Discovery, state: MutableMapping[str, Any],
               fetch: peerload.Fetch) -> bool:
-        """:meth:`try_load` with ``fetch``: the copies this rank sends to lost ranks, and its
-        own shard from its copy when it was lost. All ranks call."""
+        """:meth:`try_load` with ``fetch``: what this rank streams to lost ranks, and its own
+        shard streamed from redundancy when it was lost. All ranks call."""
         dc, step = self.dc, found.step
         reading: Reading | None = None
         with contextlib.ExitStack() as stack:
@@ -214,9 +214,9 @@ class Restorer:
             reports = dc.allgather(report, "restore-discover", step)
             plan = make_plan(step, reports, found.levels_of[step], levels.covers(), found.nodes)
             sources = peerload.sources(plan, levels.covers(), reports) if plan.ok else None
-            if sources and step not in found.verify:      # loaded from the copies, repaired after
+            if sources and step not in found.verify:     # streamed at the load, repaired after
                 found.sources = sources
-                found.repair = peerload.Repair(plan, reports, found.levels_of[step], sources)
+                found.repair = peerload.Repair(plan, reports, found.levels_of[step])
                 return plan, reports
             if plan.ok and plan.lost:
                 plan.unrecoverable = self._try_rebuild(plan, reports, found.levels_of[step],

@@ -40,6 +40,30 @@ def _of(ftkit_env: Any, name: str) -> list[dict[str, Any]]:
     return [e for e in events(ftkit_env.events_path) if e["event"] == name]
 
 
+def _lose_twice(ftkit_env: Any, topo: Any, config: dict[str, Any], first: Any, second: Any,
+                *, async_: bool = True, node: int = 0) -> list[str]:
+    """Save step 1, call ``first`` (a loss), restore and wait for the repair, call
+    ``second`` (another loss), restore again: both restores are step 1, bit-exact, on every rank. Returns
+    the ``*.ftk`` files on ``node``'s step 1 after the first repair. All ranks call."""
+    expected = save_steps(topo, [1], **config)
+    first()
+    state = small_state(RANK, 0)
+    ckpt = Checkpointer(topo, Config.load(async_=async_, **config))
+    step = ckpt.restore(state)
+    ckpt.wait()
+    files = sorted(p.name for p in ftkit_env.step_dir(node, 1).glob("*.ftk"))
+    ckpt.close()
+    second()
+    again = small_state(RANK, 0)
+    ckpt = Checkpointer(topo, Config.load(**config))
+    step_again = ckpt.restore(again)
+    ckpt.close()
+    assert allgather(step) == [1] * 4 and allgather(step_again) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    assert allgather(diff(expected[1], canon(again))) == [[]] * 4
+    return files
+
+
 @pytest.mark.parametrize("async_", [True, False])
 def test_lost_ranks_load_from_the_partner_copies(ftkit_env, async_):
     """Ranks 0 and 1 (node 0, directory gone) load step 1 from their copies on node 1 (the
@@ -48,22 +72,8 @@ def test_lost_ranks_load_from_the_partner_copies(ftkit_env, async_):
     of ranks 2 and 3 again, bit-exact: the step then survives losing node 1."""
     with topology() as topo:
         partners = topo.partner_map()
-        expected = save_steps(topo, [1], **CONFIG)
-        lose_node(ftkit_env, 0)
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(async_=async_, **CONFIG))
-        step = ckpt.restore(state)
-        ckpt.wait()
-        on_node0 = sorted(p.name for p in ftkit_env.step_dir(0, 1).glob("*.ftk"))
-        ckpt.close()
-        lose_node(ftkit_env, 1)
-        again = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**CONFIG))
-        second = ckpt.restore(again)
-        ckpt.close()
-    assert allgather(step) == [1] * 4 and allgather(second) == [1] * 4
-    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
-    assert allgather(diff(expected[1], canon(again))) == [[]] * 4
+        on_node0 = _lose_twice(ftkit_env, topo, CONFIG, lambda: lose_node(ftkit_env, 0),
+                               lambda: lose_node(ftkit_env, 1), async_=async_)
     assert on_node0 == ["partner-2.ftk", "partner-3.ftk", "rank-0.ftk", "rank-1.ftk"]
     restores = _of(ftkit_env, "restore")
     assert restores[0]["loaded_from"] == {"0": partners[0], "1": partners[1]}, restores
@@ -85,22 +95,8 @@ def test_lost_members_are_decoded_straight_into_their_state(ftkit_env, levels):
     name = levels.split(",")[1].split(":")[0]
     config = {"levels": levels, "xor_set": 2, "rs_set": 2, "rs_parity": 1}
     with topology() as topo:
-        expected = save_steps(topo, [1], **config)
-        lose_node(ftkit_env, 1)
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**config))
-        step = ckpt.restore(state)
-        ckpt.wait()
-        on_node1 = sorted(p.name for p in ftkit_env.step_dir(1, 1).glob("*.ftk"))
-        ckpt.close()
-        lose_node(ftkit_env, 0)
-        again = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**config))
-        second = ckpt.restore(again)
-        ckpt.close()
-    assert allgather(step) == [1] * 4 and allgather(second) == [1] * 4
-    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
-    assert allgather(diff(expected[1], canon(again))) == [[]] * 4
+        on_node1 = _lose_twice(ftkit_env, topo, config, lambda: lose_node(ftkit_env, 1),
+                               lambda: lose_node(ftkit_env, 0), node=1)
     assert on_node1 == sorted([f"{name}-0-1.ftk", f"{name}-1-1.ftk", "rank-2.ftk", "rank-3.ftk"])
     restores = _of(ftkit_env, "restore")
     assert restores[0]["loaded_from"] == {"2": f"{name} set 0", "3": f"{name} set 1"}
@@ -259,7 +255,7 @@ def test_a_decoded_file_that_does_not_check_is_not_kept(ftkit_env, tmp_path):
             with mapped(src) as view:
                 send = DecodedSend(dc, 1, plan, 9, 4)
                 send.post({("d", 0): view})
-                send.finish(True)
+                send.finish(dc, True)
                 outcome.append("sent")
         else:
             dest = Path(tmp_path) / "node" / "rank-1.ftk"
@@ -291,20 +287,7 @@ def test_two_lost_members_are_decoded_from_reed_solomon_parity(ftkit_env):
         WORLD.Barrier()
 
     with topology(ranks_per_node=1) as topo:
-        expected = save_steps(topo, [1], **config)
-        lose({1, 3})
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**config))
-        step = ckpt.restore(state)
-        ckpt.close()
-        lose({0, 2})
-        again = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**config))
-        second = ckpt.restore(again)
-        ckpt.close()
-    assert allgather(step) == [1] * 4 and allgather(second) == [1] * 4
-    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
-    assert allgather(diff(expected[1], canon(again))) == [[]] * 4
+        _lose_twice(ftkit_env, topo, config, lambda: lose({1, 3}), lambda: lose({0, 2}))
     restores = _of(ftkit_env, "restore")
     assert restores[0]["loaded_from"] == {"1": "rs set 0", "3": "rs set 0"}, restores
     assert restores[1]["loaded_from"] == {"0": "rs set 0", "2": "rs set 0"}, restores

@@ -38,7 +38,7 @@ from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.fs import create_temp, rename_into_place, write_all
 from ftkit.storage.redundancy import gf256
-from ftkit.storage.redundancy.fetch import FLIGHT, PIECE
+from ftkit.storage.redundancy.fetch import FLIGHT, PIECE, Sends
 from ftkit.storage.redundancy.stripes import Layout
 from ftkit.storage.redundancy.transfer import StreamCheck
 from ftkit.storage.shard import (
@@ -108,16 +108,14 @@ def pieces(terms: list[tuple[Term, ...]], seg: int, size: int) -> list[Piece]:
     return out
 
 
-class DecodedSend:
+class DecodedSend(Sends):
     """This member's contributions to lost member ``lost``'s pieces: non-blocking sends of
     views of its segments (``mine[(kind, index)]``), all posted at once."""
 
     def __init__(self, dc: DistComm, lost: int, plan: list[Piece], tag: int, step: int
                  ) -> None:
-        self.dc, self.lost, self.plan, self.tag, self.step = dc, lost, plan, tag, step
-        self.reqs: list[MPI.Request] = []
-        self.keep: list[np.ndarray] = []
-        self.nbytes = 0
+        super().__init__(step)
+        self.dc, self.lost, self.plan, self.tag = dc, lost, plan, tag
 
     def post(self, mine: dict[tuple[str, int], np.ndarray]) -> None:
         me = self.dc.rank
@@ -129,15 +127,6 @@ class DecodedSend:
                     self.keep.append(view)
                     self.nbytes += piece.n
         passes.count("send", self.nbytes)
-
-    def finish(self, ok: bool) -> None:
-        try:
-            if ok:
-                self.dc.waitall_bulk(self.reqs, PHASE, self.step, self.nbytes, self.keep)
-            else:
-                self.dc.release(self.reqs, self.keep)
-        finally:
-            self.reqs, self.keep = [], []
 
 
 def _combine(terms: Sequence[Term], bufs: list[np.ndarray]) -> np.ndarray:
@@ -383,7 +372,7 @@ class ErasureStream:
             ok = True
         finally:
             for send in self.sends:
-                send.finish(ok)
+                send.finish(self.level.sdc, ok)
             self.sends = []
             self._maps.close()
 
@@ -394,7 +383,7 @@ class ErasureStream:
             if self.shard is not None:
                 self.shard.finish(ok)
             for send in self.sends:
-                send.finish(ok)
+                send.finish(self.level.sdc, ok)
         finally:
             self.sends, self.shard = [], None
             self._maps.close()

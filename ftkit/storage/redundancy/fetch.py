@@ -55,17 +55,37 @@ def _cuts(offset: int, nbytes: int, piece: int = PIECE) -> list[tuple[int, int]]
     return [(offset + a, min(piece, nbytes - a)) for a in range(0, nbytes, piece)]
 
 
-class CopySend:
+class Sends:
+    """Non-blocking sends of one stream, posted at once (``reqs``, their buffers ``keep``,
+    ``nbytes`` in all), completed or released together by :meth:`finish`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.reqs: list[MPI.Request] = []
+        self.keep: list[Any] = []
+        self.nbytes = 0
+
+    def finish(self, dc: DistComm, ok: bool) -> None:
+        """``ok`` (every rank loaded): wait for the sends (matched: their receiver took
+        them all); else release them (:meth:`DistComm.release`). Local."""
+        try:
+            if ok:
+                dc.waitall_bulk(self.reqs, PHASE, self.step, self.nbytes, self.keep)
+            else:
+                dc.release(self.reqs, self.keep)
+        finally:
+            self.reqs, self.keep = [], []
+
+
+class CopySend(Sends):
     """The sends of the whole copy ``path`` of rank ``owner``'s shard of ``step`` to
     ``owner``: the sizes, the header, each tensor's pieces (views of the mapped copy, no
     copy made). The copy is opened (preamble, header and identity checked) before anything
     is sent; a copy that does not open raises CorruptCheckpointError and sends nothing."""
 
     def __init__(self, path: Path, owner: int, tag: int, *, step: int, level: str) -> None:
-        self.path, self.owner, self.tag, self.step, self.level = path, owner, tag, step, level
-        self.reqs: list[MPI.Request] = []
-        self.nbytes = 0
-        self._keep: list[Any] = []
+        super().__init__(step)
+        self.path, self.owner, self.tag, self.level = path, owner, tag, level
         self._shard: Shard | None = None
 
     def post(self, comm: MPI.Comm) -> None:
@@ -75,8 +95,8 @@ class CopySend:
             shard = self._shard = Shard.open(self.path, rank=self.owner, step=self.step,
                                              level=self.level)
         except BaseException:
-            self._keep = [np.zeros(2, dtype=np.int64)]
-            self.reqs = [comm.Isend([self._keep[0], MPI.BYTE], self.owner, self.tag)]
+            self.keep = [np.zeros(2, dtype=np.int64)]
+            self.reqs = [comm.Isend([self.keep[0], MPI.BYTE], self.owner, self.tag)]
             raise
         whole = np.frombuffer(shard._mm, dtype=np.uint8)
         size = len(whole)
@@ -85,20 +105,15 @@ class CopySend:
         parts = [sizes, whole[:hend]] + [
             whole[at:at + n] for t in shard.tensors for at, n in _cuts(t["offset"], t["nbytes"])]
         self.reqs = [comm.Isend([p, MPI.BYTE], self.owner, self.tag) for p in parts]
-        self._keep = parts
+        self.keep = parts
         self.nbytes = hend + sum(t["nbytes"] for t in shard.tensors)
         passes.count("send", self.nbytes)
 
     def finish(self, dc: DistComm, ok: bool) -> None:
-        """``ok`` (every rank loaded): wait for the sends (they are matched, the owner
-        received them all); else release them. Then unmap the copy. Local."""
+        """:meth:`Sends.finish`, then unmap the copy. Local."""
         try:
-            if ok:
-                dc.waitall_bulk(self.reqs, PHASE, self.step, self.nbytes, self._keep)
-            else:
-                dc.release(self.reqs, self._keep)
+            super().finish(dc, ok)
         finally:
-            self.reqs, self._keep = [], []
             if self._shard is not None:
                 self._shard.close()
                 self._shard = None
