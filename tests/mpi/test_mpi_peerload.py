@@ -64,6 +64,24 @@ def _lose_twice(ftkit_env: Any, topo: Any, config: dict[str, Any], first: Any, s
     return files
 
 
+def _falls_back(ftkit_env: Any, topo: Any, config: dict[str, Any], lose: Any, damage: Any
+                ) -> dict[str, Any]:
+    """Save steps 1 and 2, call ``lose`` and ``damage`` (step 2's redundancy), restore: step
+    1, bit-exact, on every rank; returns the one ``restore-skip`` event. All ranks call."""
+    expected = save_steps(topo, [1, 2], **config)
+    lose()
+    damage()
+    WORLD.Barrier()
+    state = small_state(RANK, 0)
+    ckpt = Checkpointer(topo, Config.load(**config))
+    step = ckpt.restore(state)
+    ckpt.close()
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
+    [skip] = _of(ftkit_env, "restore-skip")
+    return skip
+
+
 @pytest.mark.parametrize("async_", [True, False])
 def test_lost_ranks_load_from_the_partner_copies(ftkit_env, async_):
     """Ranks 0 and 1 (node 0, directory gone) load step 1 from their copies on node 1 (the
@@ -107,20 +125,13 @@ def test_a_copy_damaged_at_rest_is_caught_as_it_lands(ftkit_env):
     """Step 2's copy of rank 0 has a flipped byte in a tensor (discovery reads headers only):
     rank 0's load from it fails its checksum, every rank agrees, the step is looked at
     again with every byte and skipped, and step 1 is loaded from the copies, bit-exact."""
-    with topology() as topo:
-        partners = topo.partner_map()
-        expected = save_steps(topo, [1, 2], **CONFIG)
-        lose_node(ftkit_env, 0)
+    def damage() -> None:
         if RANK == partners[0]:
             flip_byte(ftkit_env.step_dir(1, 2) / "partner-0.ftk")
-        WORLD.Barrier()
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**CONFIG))
-        step = ckpt.restore(state)
-        ckpt.close()
-    assert allgather(step) == [1] * 4
-    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
-    [skip] = _of(ftkit_env, "restore-skip")
+
+    with topology() as topo:
+        partners = topo.partner_map()
+        skip = _falls_back(ftkit_env, topo, CONFIG, lambda: lose_node(ftkit_env, 0), damage)
     assert skip["step"] == 2 and "partner" in skip["reason"] and "rank 0" in skip["reason"], skip
     assert _of(ftkit_env, "restore")[0]["loaded_from"] == {"0": partners[0], "1": partners[1]}
 
@@ -207,20 +218,14 @@ def test_damaged_parity_fails_the_streamed_load_and_the_older_step_is_used(ftkit
     lost members' streamed decode fails a tensor checksum, the step is looked at again with
     every byte and skipped (naming the parity), and step 1 is decoded, bit-exact."""
     config = {"levels": "local:1,xor:1", "xor_set": 2}
-    with topology() as topo:
-        expected = save_steps(topo, [1, 2], **config)
-        lose_node(ftkit_env, 1)
+
+    def damage() -> None:
         if RANK == 0:
             for parity in ftkit_env.step_dir(0, 2).glob("xor-*.ftk"):
                 flip_byte(parity)
-        WORLD.Barrier()
-        state = small_state(RANK, 0)
-        ckpt = Checkpointer(topo, Config.load(**config))
-        step = ckpt.restore(state)
-        ckpt.close()
-    assert allgather(step) == [1] * 4
-    assert allgather(diff(expected[1], canon(state))) == [[]] * 4
-    [skip] = _of(ftkit_env, "restore-skip")
+
+    with topology() as topo:
+        skip = _falls_back(ftkit_env, topo, config, lambda: lose_node(ftkit_env, 1), damage)
     assert skip["step"] == 2 and "xor" in skip["reason"], skip
     assert _of(ftkit_env, "restore")[0]["loaded_from"] == {"2": "xor set 0", "3": "xor set 1"}
 

@@ -145,7 +145,7 @@ def _combine(terms: Sequence[Term], bufs: list[np.ndarray]) -> np.ndarray:
 
 
 class _Stream:
-    """The lost member's file bytes, in order, from the contributors' pieces (XORed)."""
+    """The lost member's file bytes, in order, from the contributors' pieces (summed)."""
 
     def __init__(self, dc: DistComm, plan: list[Piece], tags: dict[int, int], step: int
                  ) -> None:
@@ -154,7 +154,6 @@ class _Stream:
         self._ring = [[aligned_empty(PIECE) for _ in range(width)] for _ in range(FLIGHT + 1)]
         self._flight: deque[tuple[Piece, list[MPI.Request], list[np.ndarray]]] = deque()
         self._next = 0                              # index of the next piece to post
-        self._done = 0                              # pieces consumed
         self._cur: tuple[int, np.ndarray] | None = None    # the current piece: at, bytes
         self._clock = dc.deadline(sum(p.n * len(p.terms) for p in plan))
 
@@ -182,7 +181,6 @@ class _Stream:
         self._flight.popleft()
         self._cur = (piece.at, _combine(piece.terms, bufs))
         passes.count("recv", piece.n * len(piece.terms))
-        self._done += 1
         return True
 
     def take(self, a: int, b: int) -> Iterator[np.ndarray]:
@@ -290,7 +288,6 @@ class DecodedShard(Shard):
         """Nothing is mapped or open."""
 
 
-
 class ErasureStream:
     """One load of set members ``lost`` decoded straight into their live state, on one member
     of the set (``level``: an ``ErasureLevel``; its communicator, layout and segments): the
@@ -311,6 +308,14 @@ class ErasureStream:
                              self.parity_ok)
         assert terms is not None            # the cover said every lost member streams
         return pieces(terms, self.seg, self.sizes[member])
+
+    def _incoming(self) -> tuple[list[Piece], dict[int, int]]:
+        """This (lost) member's pieces and the tag of each contributor (one bulk tag per
+        pair, as the contributors take it in :meth:`post`). Local."""
+        dc = self.level.sdc
+        plan = self._plan(dc.rank)
+        owners = sorted({owner for p in plan for owner, *_ in p.terms})
+        return plan, {o: dc.bulk_tag(self.step, o, dc.rank) for o in owners}
 
     def post(self) -> None:
         """Post the sends of this member's contributions (views of its mapped shard and
@@ -336,12 +341,10 @@ class ErasureStream:
         me = dc.rank
         if me not in self.lost:
             return None
-        plan = self._plan(me)
-        owners = sorted({owner for p in plan for owner, *_ in p.terms})
-        tags = {o: dc.bulk_tag(self.step, o, me) for o in owners}
         rank = lv.members[me]
         where = Path(f"rank {rank}'s shard of step {self.step} decoded from {lv.name} set "
                      f"{lv.set_id}")
+        plan, tags = self._incoming()
         self.shard = DecodedShard.receive(dc, plan, tags, size=self.sizes[me], path=where,
                                           rank=rank, step=self.step, world=world,
                                           level=lv.name)
@@ -357,9 +360,6 @@ class ErasureStream:
         self.post()
         try:
             if me in self.lost:
-                plan = self._plan(me)
-                tags = {o: dc.bulk_tag(self.step, o, me)
-                        for o in sorted({owner for p in plan for owner, *_ in p.terms})}
                 path = lv.local.shard_path(self.step)
                 check = StreamCheck(path, self.sizes[me], source=me, rank=lv.members[me],
                                     step=self.step, world=None, level=lv.name, counted=False,
@@ -367,7 +367,7 @@ class ErasureStream:
                                            f"{lv.set_id} (a member's data or parity is "
                                            f"damaged)")
                 lv.local.ensure_step_dir(self.step)
-                receive_file(_Stream(dc, plan, tags, self.step), self.sizes[me], path,
+                receive_file(_Stream(dc, *self._incoming(), self.step), self.sizes[me], path,
                              lv.local.slots, check)
             ok = True
         finally:
