@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ftkit.storage.redundancy import gf256
-from ftkit.storage.redundancy.erasure import segment_size, segments
-from ftkit.storage.redundancy.stripes import Layout
+from ftkit.storage.redundancy.erasure import segment_size
+from ftkit.storage.redundancy.stripes import Layout, piece_of, segments
 from ftkit.storage.shard import ALIGN
 
 SHAPES = [(k, p) for k in range(2, 7) for p in range(1, k)]
@@ -177,13 +177,16 @@ def test_segments_and_size() -> None:
     assert segment_size([1000, 10], 3) == 384      # ceil(1000/3) = 334 -> 6 * 64
     data = np.arange(1000, dtype=np.int64).astype(np.uint8)
     segs = segments(data, 3, 384)
-    assert [len(s) for s in segs] == [384] * 3
-    assert np.shares_memory(segs[0], data) and np.shares_memory(segs[1], data)
-    assert np.array_equal(np.concatenate(segs)[:1000], data)
-    assert not segs[2][1000 - 768:].any()
+    assert [len(s) for s in segs] == [384, 384, 1000 - 768]        # views, the last short
+    assert all(np.shares_memory(s, data) for s in segs)
+    assert np.array_equal(np.concatenate(segs), data)
+    tail = piece_of(segs[2], 200, 64)                   # past the shard's end: zeros
+    assert len(tail) == 64 and np.array_equal(tail[:32], data[968:]) and not tail[32:].any()
+    assert np.shares_memory(piece_of(segs[1], 10, 20), data)     # a whole piece: a view
     short = segments(np.ones(5, np.uint8), 3, 64)
-    assert short[0][:5].all() and not short[0][5:].any()
-    assert not short[1].any() and not short[2].any()
+    assert [len(s) for s in short] == [5, 0, 0]
+    assert piece_of(short[0], 0, 64)[:5].all() and not piece_of(short[0], 0, 64)[5:].any()
+    assert not piece_of(short[2], 0, 64).any()
 
 
 # ---------------------------------------------------------------------------- simulation
@@ -195,7 +198,7 @@ def encode(lay: Layout, shards: list[np.ndarray]
            ) -> tuple[int, list[list[np.ndarray]], list[list[np.ndarray]]]:
     """(s, segs[member], parity[member][slot]) as ErasureLevel.encode computes them."""
     s = segment_size([len(d) for d in shards], lay.m)
-    segs = [segments(d, lay.m, s) for d in shards]
+    segs = [[piece_of(g, 0, s) for g in segments(d, lay.m, s)] for d in shards]
     parity = [[np.zeros(s, np.uint8) for _ in range(lay.p)] for _ in range(lay.k)]
     for t in range(lay.k):
         dm = lay.data_members(t)
@@ -401,7 +404,7 @@ def test_scan_verifies_and_folds_a_shard_in_one_pass(tmp_path, m: int) -> None:
     whole, folds = scan(data, m, s, check())
     assert passes.passes(passes.since(before), len(data))["total"] < 1.01
     assert whole == checksum(data)
-    assert folds == [fold(seg).tobytes() for seg in segments(data, m, s)]
+    assert folds == [fold(piece_of(seg, 0, s)).tobytes() for seg in segments(data, m, s)]
     data[len(data) // 2] ^= 1                         # inside tensor t/0
     with pytest.raises(CorruptCheckpointError, match="damaged after it was written") as info:
         scan(data, m, s, check())

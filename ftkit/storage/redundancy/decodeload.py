@@ -39,7 +39,7 @@ from ftkit.errors import CorruptCheckpointError
 from ftkit.fs import create_temp, rename_into_place, write_all
 from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.fetch import FLIGHT, PIECE, Sends
-from ftkit.storage.redundancy.stripes import Layout
+from ftkit.storage.redundancy.stripes import Layout, piece_of
 from ftkit.storage.redundancy.transfer import StreamCheck
 from ftkit.storage.shard import (
     _PREAMBLE,
@@ -122,7 +122,7 @@ class DecodedSend(Sends):
         for piece in self.plan:
             for owner, kind, idx, _ in piece.terms:
                 if owner == me:
-                    view = mine[(kind, idx)][piece.offset:piece.offset + piece.n]
+                    view = piece_of(mine[(kind, idx)], piece.offset, piece.n)
                     self.reqs.append(self.dc.comm.Isend([view, MPI.BYTE], self.lost, self.tag))
                     self.keep.append(view)
                     self.nbytes += piece.n
@@ -197,14 +197,19 @@ class _Stream:
             a = at + hi
 
     def drain(self) -> None:
-        """Receive whatever is left (so every contributor's sends complete)."""
+        """Receive whatever is left (so every contributor's sends complete); the buffers
+        are let go."""
         while self._advance():
             pass
+        self._ring = []
 
     def release(self) -> None:
+        """After an error: release the receives in flight (their buffers kept until MPI is
+        done with them, :meth:`DistComm.release`) and let the buffers go."""
         self.dc.release([r for _, reqs, _ in self._flight for r in reqs],
                         [b for _, _, bufs in self._flight for b in bufs])
         self._flight.clear()
+        self._ring, self._cur = [], None
 
 
 class DecodedShard(Shard):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,8 @@ from ftkit.storage.level import Cover, Redundancy, Report, ranks_text
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.redundancy import gf256
 from ftkit.storage.redundancy.decodeload import ErasureStream, decode_terms
-from ftkit.storage.redundancy.stripes import Layout
+from ftkit.storage.redundancy.fetch import FLIGHT, PIECE, cuts
+from ftkit.storage.redundancy.stripes import Layout, piece_of, segments
 from ftkit.storage.redundancy.transfer import StreamCheck, mapped
 from ftkit.storage.shard import ALIGN, READ_CHUNK, XXH3, Shard, write_shard
 from ftkit.storage.site import Site
@@ -120,23 +122,35 @@ def segment_size(sizes: list[int], m: int) -> int:
     return -(-per // ALIGN) * ALIGN
 
 
-def segments(data: np.ndarray, m: int, s: int) -> list[np.ndarray]:
-    """The m data segments of a shard: views, except a zero-padded copy at the tail."""
-    out = []
-    for q in range(m):
-        piece = data[q * s:(q + 1) * s]
-        if len(piece) < s:
-            padded = np.zeros(s, dtype=np.uint8)
-            padded[:len(piece)] = piece
-            piece = padded
-        out.append(piece)
-    return out
-
-
 def _words(seg: np.ndarray) -> list[object]:
     """MPI buffer of a segment as 64-bit words: BXOR on words is ~8x faster than on bytes
     (segments are multiples of ALIGN bytes and start at aligned offsets)."""
     return [seg.view(np.uint64), MPI.UINT64_T]
+
+
+def _partial(prev: np.ndarray | None, term: tuple[np.ndarray, int] | None,
+             out: np.ndarray) -> np.ndarray:
+    """One piece of the partial sum a member sends on: ``prev`` (the piece received, None
+    on the first hop) plus ``c * seg`` of its ``term`` (None: it adds nothing), in ``out``
+    unless it is the member's own bytes unchanged (the first hop of XOR sends a view of its
+    shard)."""
+    if term is None:
+        if prev is None:
+            out.fill(0)
+        else:
+            np.copyto(out, prev)
+            passes.count("copy", len(out))
+        return out
+    seg, c = term
+    if prev is None:
+        return seg if c == 1 else gf256.scale_into(out, c, seg)
+    if c == 1:
+        np.bitwise_xor(prev.view(np.uint64), seg.view(np.uint64), out=out.view(np.uint64))
+    else:
+        np.copyto(out, prev)
+        gf256.mad_into(out, c, seg)
+    passes.count("encode", len(out))
+    return out
 
 
 def parity_ok(report: Report, level: str) -> bool:
@@ -370,54 +384,58 @@ class ErasureLevel(Redundancy):
         """Ring reduce-scatter (SCR's XOR pattern), one pass per parity index j: the partial
         sum of stripe t's parity j starts at its holder's successor, gathers every member's
         contribution around the ring and arrives at the holder after k - 1 hops. Each rank
-        sends and receives p (k - 1) segments of s bytes; XOR runs on 64-bit words. With a
-        reserved parity slot ``res`` each partial sum is received into the parity's place
-        in it, so the last one is the parity in its file. The ``corrupt`` fault of this
-        level hits the last partial sum received (the parity)."""
+        sends and receives p (k - 1) segments of s bytes, in pieces (:meth:`_hop`); XOR runs
+        on 64-bit words. With a reserved parity slot ``res`` each partial sum is received
+        into the parity's place in it, so the last one is the parity in its file. The
+        ``corrupt`` fault of this level hits the last partial sum received (the parity)."""
         lay, me, k = self.layout, self.index, self.layout.k
-        comm, nxt, prv = self.sdc.comm, (me + 1) % k, (me - 1) % k
-        tag_out, tag_in = self.sdc.bulk_tag(step, me, nxt), self.sdc.bulk_tag(step, prv, me)
+        tags = (self.sdc.bulk_tag(step, me, (me + 1) % k),
+                self.sdc.bulk_tag(step, (me - 1) % k, me))
         parity: list[np.ndarray] = [np.empty(0, np.uint8)] * lay.p
-        scratch = aligned_empty(s) if lay.p > 1 else None
+        ring = [aligned_empty(min(PIECE, s)) for _ in range(FLIGHT)]
         for j in range(lay.p):
             at = lay.parity_slot(me, (me - j) % k)
-            acc = np.zeros(s, dtype=np.uint8)
             inbox = res.view(at) if res is not None else aligned_empty(s)
             for hop in range(1, k):
-                mine = self._contribution((me - hop - j) % k, j, segs, scratch)
-                if hop == 1:
-                    send = mine if mine is not None else acc
-                else:
-                    send = acc
-                    if mine is None:
-                        np.copyto(acc, inbox)
-                        passes.count("copy", s)
-                    else:
-                        np.bitwise_xor(inbox.view(np.uint64), mine.view(np.uint64),
-                                       out=acc.view(np.uint64))
-                        passes.count("encode", s)
-                passes.count("send", s)
-                passes.count("recv", s)
-                self.sdc.waitall_bulk([comm.Isend(_words(send), nxt, tag=tag_out),
-                                       comm.Irecv(_words(inbox), prv, tag=tag_in)],
-                                      "encode", step, 2 * s, [send, inbox, acc, *segs])
+                t = (me - hop - j) % k                  # the stripe my term joins
+                dm = lay.data_members(t)
+                term = (segs[lay.seg_index(me, t)], lay.coef[j][dm.index(me)]) \
+                    if me in dm else None
+                self._hop(hop == 1, term, inbox, ring, step, tags)
             self.faults.corrupt_buffer(inbox, level=self.name, step=step)
             parity[at] = inbox
         return parity
 
-    def _contribution(self, t: int, j: int, segs: list[np.ndarray],
-                      scratch: np.ndarray | None) -> np.ndarray | None:
-        """This member's term of parity j of stripe t (None when it adds nothing)."""
-        lay, me = self.layout, self.index
-        dm = lay.data_members(t)
-        if me not in dm:
-            return None
-        seg = segs[lay.seg_index(me, t)]
-        c = lay.coef[j][dm.index(me)]
-        if c == 1:
-            return seg
-        assert scratch is not None
-        return gf256.scale_into(scratch, c, seg)
+    def _hop(self, first: bool, term: tuple[np.ndarray, int] | None, inbox: np.ndarray,
+             ring: list[np.ndarray], step: int, tags: tuple[int, int]) -> None:
+        """One hop of the ring, piece by piece (:data:`PIECE` bytes, ``len(ring)`` pieces
+        in flight): send my partial sum to the next member — my ``term`` (segment,
+        coefficient; None: I add nothing) plus, unless ``first``, the partial sum
+        ``inbox`` holds — and receive the previous member's into ``inbox``, each piece of
+        it once its bytes have gone into the piece sent. No buffer of a whole segment
+        besides ``inbox``. Collective over the set (every member hops together)."""
+        comm, me, k = self.sdc.comm, self.index, self.layout.k
+        flight: deque[tuple[list[MPI.Request], list[np.ndarray]]] = deque()
+        try:
+            for i, (a, n) in enumerate(cuts(0, len(inbox), len(ring[0]))):
+                if len(flight) == len(ring):
+                    reqs, keep = flight.popleft()
+                    self.sdc.waitall_bulk(reqs, "encode", step, 2 * n, keep)
+                prev = None if first else inbox[a:a + n]
+                out = _partial(prev, term and (piece_of(term[0], a, n), term[1]),
+                               ring[i % len(ring)][:n])
+                flight.append(([comm.Isend(_words(out), (me + 1) % k, tag=tags[0]),
+                                comm.Irecv(_words(inbox[a:a + n]), (me - 1) % k,
+                                           tag=tags[1])], [out, inbox]))
+                passes.count("send", n)
+                passes.count("recv", n)
+            while flight:
+                reqs, keep = flight.popleft()
+                self.sdc.waitall_bulk(reqs, "encode", step, 0, keep)
+        except BaseException:
+            self.sdc.release([r for reqs, _ in flight for r in reqs],
+                             [b for _, keep in flight for b in keep])
+            raise
 
     def discard(self, step: int) -> None:
         """Remove my uncommitted parity of ``step``: only a regular file in a private step

@@ -49,7 +49,7 @@ PIECE = 4 << 20
 FLIGHT = 2
 
 
-def _cuts(offset: int, nbytes: int, piece: int = PIECE) -> list[tuple[int, int]]:
+def cuts(offset: int, nbytes: int, piece: int = PIECE) -> list[tuple[int, int]]:
     """The pieces ``(offset, length)`` of ``nbytes`` bytes from ``offset``: both ends cut a
     tensor the same way (an empty tensor sends nothing)."""
     return [(offset + a, min(piece, nbytes - a)) for a in range(0, nbytes, piece)]
@@ -103,7 +103,7 @@ class CopySend(Sends):
         hend = _PREAMBLE.size + header_length(bytes(whole[:_PREAMBLE.size]), size)
         sizes = np.array([size, hend], dtype=np.int64)
         parts = [sizes, whole[:hend]] + [
-            whole[at:at + n] for t in shard.tensors for at, n in _cuts(t["offset"], t["nbytes"])]
+            whole[at:at + n] for t in shard.tensors for at, n in cuts(t["offset"], t["nbytes"])]
         self.reqs = [comm.Isend([p, MPI.BYTE], self.owner, self.tag) for p in parts]
         self.keep = parts
         self.nbytes = hend + sum(t["nbytes"] for t in shard.tensors)
@@ -168,14 +168,14 @@ class RemoteShard(Shard):
         hashing each piece as it lands; True when the checksum matches."""
         t, h = self.tensors[index], xxhash.xxh3_64()
         out = dest[:t["nbytes"]]
-        self._receive([out[a:a + n] for a, n in _cuts(0, len(out))], h)
+        self._receive([out[a:a + n] for a, n in cuts(0, len(out))], h)
         return XXH3 + h.hexdigest() == t["checksum"]
 
     def read_through(self, index: int, landing: Landing) -> bool:
         """Receive tensor ``index`` piece by piece into ``landing.buffer`` and hand each to
         ``landing.land`` (e.g. copied to a GPU), hashing as :meth:`read_into` does."""
         t, h = self.tensors[index], xxhash.xxh3_64()
-        for at, n in _cuts(0, t["nbytes"], min(PIECE, landing.piece)):
+        for at, n in cuts(0, t["nbytes"], min(PIECE, landing.piece)):
             piece = landing.buffer(at, n)
             self._receive([piece], h)
             landing.land(at, piece)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
+import numpy as np
+
 from ftkit.storage.redundancy import gf256
 
 
@@ -66,3 +68,21 @@ class Layout:
         rows = [[int(x == c) for c in range(self.m)] if kind == "d" else self.coef[x]
                 for kind, x in chosen]
         return chosen, gf256.invert(rows)
+
+
+def segments(data: np.ndarray, m: int, s: int) -> list[np.ndarray]:
+    """The m data segments of a shard, as views: the last ones may be short or empty (the
+    bytes past the shard's end are zeros: :func:`piece_of` pads a piece of them)."""
+    return [data[q * s:(q + 1) * s] for q in range(m)]
+
+
+def piece_of(seg: np.ndarray, at: int, n: int) -> np.ndarray:
+    """Bytes ``at .. at + n`` of a segment (:func:`segments`): a view, or where the segment
+    ends early a zero-padded copy of at most ``n`` bytes (no whole padded segment is ever
+    made; pages of zeros never written stay unallocated)."""
+    got = seg[at:at + n]
+    if len(got) == n:
+        return got
+    out = np.zeros(n, dtype=np.uint8)
+    out[:len(got)] = got
+    return out
