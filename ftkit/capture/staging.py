@@ -250,17 +250,17 @@ def _stage(leaf: TensorLeaf, buf: np.ndarray, index: int, into: Any) -> None:
     With ``into``, the slot ``buf`` lies in, hash it as it lands (a strided tensor is laid
     out by torch, then hashed); without, a plain copy."""
     if into is None:
-        _copy(leaf, buf)
+        copy_leaf(leaf, buf)
         return
-    src = _bytes(leaf.source) if leaf.nbytes else np.empty(0, dtype=np.uint8)
+    src = host_bytes(leaf.source) if leaf.nbytes else np.empty(0, dtype=np.uint8)
     if src is None:
-        _copy(leaf, buf)
+        copy_leaf(leaf, buf)
         into.hash_in_place(index)
     else:
         into.copy_in(index, src)
 
 
-def _bytes(x: Any) -> np.ndarray | None:
+def host_bytes(x: Any) -> np.ndarray | None:
     """A flat read-only uint8 view of a CPU tensor's or array's memory (None when it is
     not contiguous or torch cannot show it as NumPy)."""
     try:
@@ -274,14 +274,14 @@ def _bytes(x: Any) -> np.ndarray | None:
         return None
 
 
-def _copy(leaf: TensorLeaf, buf: np.ndarray) -> None:
+def copy_leaf(leaf: TensorLeaf, buf: np.ndarray) -> None:
     """Blocking copy of one leaf into ``buf``."""
     src = leaf.source
     if not leaf.nbytes:
         return
     passes.count("copy", leaf.nbytes)
     if leaf.kind == "numpy":
-        raw = _bytes(src)
+        raw = host_bytes(src)
         if raw is not None:             # every byte, a structured dtype's padding too
             np.copyto(buf, raw)
             return

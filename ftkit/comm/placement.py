@@ -134,3 +134,43 @@ def set_of(sets: Sequence[Sequence[int]], rank: int) -> tuple[int, int]:
         if rank in members:
             return sid, list(members).index(rank)
     raise KeyError(rank)
+
+
+def dp_rings(rank_node: Sequence[int], shard_of: Sequence[tuple[int, int]]
+             ) -> list[list[int]] | None:
+    """The data-parallel replicas of every (tp, pp) shard (``shard_of[rank]``) in a ring
+    whose neighbours, the last and the first included, sit on different nodes: the order in
+    which replicas share a snapshot (ring position i holds slices i and i + 1, so every
+    slice lives on two nodes). Rings in the order of their shard key; None when some shard
+    has a single replica or cannot be so arranged (one node holds more than half of its
+    replicas). Pure."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for rank, key in enumerate(shard_of):
+        groups.setdefault((int(key[0]), int(key[1])), []).append(rank)
+    rings = []
+    for key in sorted(groups):
+        ring = _apart(groups[key], rank_node)
+        if ring is None:
+            return None
+        rings.append(ring)
+    return rings
+
+
+def _apart(ranks: Sequence[int], rank_node: Sequence[int]) -> list[int] | None:
+    """``ranks`` in a circle with no two neighbours on one node: the ranks of the fullest
+    node first fill the even places, then the odd ones (possible iff no node holds more
+    than half of them); None when that fails or there is one rank."""
+    if len(ranks) < 2:
+        return None
+    by_node: dict[int, list[int]] = {}
+    for r in sorted(ranks):
+        by_node.setdefault(rank_node[r], []).append(r)
+    order = [r for node in sorted(by_node, key=lambda n: (-len(by_node[n]), n))
+             for r in by_node[node]]
+    places = list(range(0, len(order), 2)) + list(range(1, len(order), 2))
+    ring = [0] * len(order)
+    for place, r in zip(places, order):
+        ring[place] = r
+    if any(rank_node[ring[i]] == rank_node[ring[i - 1]] for i in range(len(ring))):
+        return None
+    return ring

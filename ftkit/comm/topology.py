@@ -151,6 +151,13 @@ class Topology:
         return placement.erasure_sets(self.rank_node, size, minimum=minimum,
                                       shard_of=self.shard_of, what=what)
 
+    def dp_ring(self) -> list[int] | None:
+        """This rank's data-parallel replicas in the ring order of a shared snapshot
+        (neighbours on different nodes, :func:`placement.dp_rings`); None when dp is 1 or
+        the replicas cannot be so placed (then every rank keeps its whole shard). Local."""
+        rings = placement.dp_rings(self.rank_node, self.shard_of)
+        return None if rings is None else next(r for r in rings if self.rank in r)
+
     def describe(self) -> dict[str, int]:
         """JSON-able description stored in shard headers."""
         return {"world": self.world, "dp": self.dp, "tp": self.tp, "pp": self.pp,

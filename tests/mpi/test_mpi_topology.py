@@ -118,6 +118,18 @@ def test_partner_map_is_a_permutation_across_nodes(ranks_per_node):
         assert rank_node[p] != rank_node[r], f"rank {r}'s partner {p} is on its node"
 
 
+@pytest.mark.parametrize(("ranks_per_node", "tp", "ring"),
+                         [(2, 1, [0, 2, 1, 3]), (1, 2, "tp"), (2, 2, "tp"), (3, 1, None),
+                          (4, 2, None)])
+def test_dp_ring_of_a_rank(ranks_per_node, tp, ring):
+    """Pure DP on 2 nodes of 2: one ring alternating the nodes, the same on every rank;
+    dp2 x tp2 (one or two ranks per node): the ring of the rank's DP pair, which spans 2
+    nodes; 3 of 4 replicas on one node, or every DP pair on one node: none (whole shards)."""
+    with topology(ranks_per_node=ranks_per_node, tp=tp) as topo:
+        got = topo.dp_ring()
+    assert got == ([RANK % 2, RANK % 2 + 2] if ring == "tp" else ring)
+
+
 def test_partner_map_uneven_nodes_still_on_other_node():
     """3 + 1 ranks: a permutation is impossible, but every partner is on the other node."""
     with topology(ranks_per_node=3) as topo:

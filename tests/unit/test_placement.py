@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftkit.comm.placement import erasure_sets, partner_map, set_of
+from ftkit.comm.placement import dp_rings, erasure_sets, partner_map, set_of
 from ftkit.comm.topology import check_shape, coords_of, number_groups, virtual_nodes
 from ftkit.errors import ConfigError
 
@@ -298,3 +298,29 @@ def test_nodes_are_numbered_in_the_order_of_their_lowest_rank() -> None:
     assert number_groups([0, 0, 2, 2, 4]) == [0, 0, 1, 1, 2]
     assert number_groups([0, 1, 0, 1, 4]) == [0, 1, 0, 1, 2]
     assert number_groups(["n3", "n1", "n3", "n1"]) == [0, 1, 0, 1]
+
+
+def test_dp_rings_put_neighbours_on_different_nodes():
+    """Pure data parallel, 2 ranks per node: one ring alternating the nodes; dp2 x tp2 with
+    one rank of each replica per node: a ring per tp index; a shard whose replicas share
+    one node, or a single replica, has no ring."""
+    assert dp_rings([0, 0, 1, 1], [(0, 0)] * 4) == [[0, 2, 1, 3]]
+    tp2 = [coords_of(r, 2, 2, 1) for r in range(4)]           # ranks 0,1: dp 0; 2,3: dp 1
+    assert dp_rings([0, 0, 1, 1], [(c.tp, c.pp) for c in tp2]) == [[0, 2], [1, 3]]
+    assert dp_rings([0, 0, 0, 1], [(0, 0)] * 4) is None       # node 0 holds 3 of 4
+    assert dp_rings([0, 1], [(0, 0), (1, 0)]) is None          # dp = 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=24))
+def test_dp_rings_exist_exactly_when_no_node_holds_more_than_half(nodes):
+    """One shard, replicas on the given nodes: a ring whose neighbours (the first and the
+    last too) are on different nodes, holding every replica once, exists iff no node holds
+    more than half of them."""
+    rings = dp_rings(nodes, [(0, 0)] * len(nodes))
+    fits = max(Counter(nodes).values()) <= len(nodes) // 2
+    assert (rings is not None) == fits
+    if rings is not None:
+        [ring] = rings
+        assert sorted(ring) == list(range(len(nodes)))
+        assert all(nodes[ring[i]] != nodes[ring[i - 1]] for i in range(len(ring)))
