@@ -167,14 +167,14 @@ def test_change_before_the_whole_batch_landed_is_refused(
     (the final re-check). This also catches a change that overlapped ``a``'s copy but bumped
     the counter only after ``a``'s per-leaf check."""
     a_copied, b_may_go = threading.Event(), threading.Event()
-    original = staging_mod._copy
+    original = staging_mod.copy_leaf
 
     def copy(leaf: Any, buf: np.ndarray) -> None:
         if leaf.path == "b":
             a_copied.set()
             assert b_may_go.wait(timeout=30)
         original(leaf, buf)
-    monkeypatch.setattr(staging_mod, "_copy", copy)
+    monkeypatch.setattr(staging_mod, "copy_leaf", copy)
     a, b = torch.zeros(3), torch.ones(3)
     _, leaves = flatten({"a": a, "b": b})
     _, staging = stager.start(leaves, lambda leaf: True)
