@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ftkit.capture.flatten import TensorLeaf, torch_dtype
 
 #: slice boundaries fall on multiples of this many bytes (the shard format's alignment)
 ALIGN = 64
@@ -74,3 +79,46 @@ def kept(position: int, parts: int) -> tuple[int, ...]:
 def holders(index: int, parts: int) -> tuple[int, ...]:
     """The ring positions that keep slice ``index``: it and the one before it."""
     return tuple(sorted({index % parts, (index - 1) % parts}))
+
+
+def kept_leaves(leaves: Sequence[TensorLeaf], replicated: Sequence[int], parts: int,
+                position: int) -> tuple[list[TensorLeaf], dict[str, Any]]:
+    """What the replica at ring ``position`` writes of a state's tensor ``leaves`` (tree
+    order) whose ``replicated`` ones (indices, tree order) are cut into ``parts`` slices:
+    every other leaf whole, in tree order, then each span of the slices it keeps
+    (:func:`kept`) as a flat byte tensor — a view of the live tensor's bytes, no copy
+    (a tensor that is not contiguous is copied first) — named ``<path>@<first byte>``.
+    Also the table that says how to put them back (``share``: ``parts``, ``position``,
+    ``kept``; ``whole``: the tree index of each whole entry, in file order; ``replicated``:
+    each replicated tensor's index and description; ``spans``: ``[slice, tree index, first
+    byte, bytes]`` of each span entry, in file order after the whole ones)."""
+    chosen = set(replicated)
+    out = [leaf for i, leaf in enumerate(leaves) if i not in chosen]
+    spans: list[list[int]] = []
+    for k in kept(position, parts):
+        for span in plan([(i, leaves[i].nbytes) for i in replicated], parts)[k].spans:
+            out.append(_span_leaf(leaves[span.leaf], span))
+            spans.append([k, span.leaf, span.start, span.nbytes])
+    share = {"parts": parts, "position": position, "kept": list(kept(position, parts)),
+             "whole": [i for i in range(len(leaves)) if i not in chosen],
+             "replicated": [{"index": i, "path": leaves[i].path, "kind": leaves[i].kind,
+                             "dtype": leaves[i].dtype, "shape": list(leaves[i].shape),
+                             "nbytes": leaves[i].nbytes} for i in replicated],
+             "spans": spans}
+    return out, share
+
+
+def _span_leaf(leaf: TensorLeaf, span: Span) -> TensorLeaf:
+    """Bytes ``span.start ..`` of ``leaf`` as a flat uint8 tensor of the same kind (a view:
+    it shares the live tensor's version counter, so a change during staging is seen)."""
+    a, b = span.start, span.start + span.nbytes
+    if leaf.kind == "torch":
+        flat = leaf.source.detach().reshape(-1)
+        source = flat.view(torch_dtype("uint8"))[a:b]
+        dtype = "uint8"
+    else:
+        source = np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8)[a:b]
+        dtype = "|u1"
+    return TensorLeaf(f"{leaf.path}@{a}", leaf.kind, dtype, (span.nbytes,), span.nbytes,
+                      source)
+
