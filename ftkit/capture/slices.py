@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ftkit.capture.flatten import TensorLeaf, torch_dtype
+from ftkit.capture.flatten import DecodeError, TensorLeaf, leaf_nbytes, short_repr, torch_dtype
 
 #: slice boundaries fall on multiples of this many bytes (the shard format's alignment)
 ALIGN = 64
@@ -122,3 +122,61 @@ def _span_leaf(leaf: TensorLeaf, span: Span) -> TensorLeaf:
     return TensorLeaf(f"{leaf.path}@{a}", leaf.kind, dtype, (span.nbytes,), span.nbytes,
                       source)
 
+
+
+def unshare(share: Any, entries: Sequence[TensorLeaf]
+            ) -> tuple[list[TensorLeaf], list[tuple[int, int]]]:
+    """Decode the ``share`` table of a shard whose tensor ``entries`` :func:`kept_leaves`
+    wrote: the state's tensors in tree order (the whole entries as they are, the replicated
+    ones from their descriptions, without bytes) and, per entry, ``(tree index, first
+    byte)`` of the bytes it holds. Trusts nothing: DecodeError (naming the table) unless
+    the ring position and kept slices agree, the whole and replicated indices are a
+    permutation of the tree's tensors, every description is an allowed tensor, and the
+    spans are exactly those of the kept slices, each entry a flat byte tensor of its span's
+    size."""
+    try:
+        return _unshare(share, entries)
+    except DecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any gap in the checks reads as corrupt
+        raise DecodeError("share", f"malformed: {type(exc).__name__}: {exc}") from None
+
+
+def _unshare(share: Any, entries: Sequence[TensorLeaf]
+             ) -> tuple[list[TensorLeaf], list[tuple[int, int]]]:
+    def bad(why: str) -> DecodeError:
+        return DecodeError("share", why)
+    if not isinstance(share, dict):
+        raise bad("not an object")
+    parts, position = share.get("parts"), share.get("position")
+    if not (type(parts) is int and type(position) is int and 0 <= position < parts <= 1 << 20):
+        raise bad(f"parts {short_repr(parts)}, position {short_repr(position)}")
+    if share.get("kept") != list(kept(position, parts)):
+        raise bad(f"kept {short_repr(share.get('kept'))} at position {position} of {parts}")
+    whole, described = share.get("whole"), share.get("replicated")
+    if not (isinstance(whole, list) and isinstance(described, list)):
+        raise bad("whole or replicated is not a list")
+    index = whole + [d.get("index") if isinstance(d, dict) else None for d in described]
+    if sorted(i for i in index if type(i) is int) != list(range(len(index))):
+        raise bad("the whole and replicated tensors are not each tensor of the state once")
+    if len(entries) < len(whole):
+        raise bad(f"{len(whole)} whole tensors, {len(entries)} entries")
+    full: list[TensorLeaf | None] = [None] * len(index)
+    for j, i in enumerate(whole):
+        full[i] = entries[j]
+    for d in described:
+        path, kind, dtype, shape, nbytes = (d.get(k) for k in
+                                           ("path", "kind", "dtype", "shape", "nbytes"))
+        if not isinstance(path, str) or leaf_nbytes(kind, dtype, shape) != nbytes:
+            raise bad(f"replicated tensor {short_repr(path)}: {short_repr(d)}")
+        full[d["index"]] = TensorLeaf(path, kind, dtype, tuple(shape), nbytes)
+    leaves = [leaf for leaf in full if leaf is not None]
+    replicated = [d["index"] for d in described]
+    want = [[k, s.leaf, s.start, s.nbytes] for k in kept(position, parts)
+            for s in plan([(i, leaves[i].nbytes) for i in replicated], parts)[k].spans]
+    if share.get("spans") != want or len(entries) != len(whole) + len(want):
+        raise bad("the spans are not those of the kept slices")
+    for entry, (_, i, a, n) in zip(entries[len(whole):], want):
+        if entry.shape != (n,) or entry.dtype not in ("uint8", "|u1"):
+            raise bad(f"entry {entry.path} is not {n} flat bytes of {leaves[i].path}")
+    return leaves, [(i, 0) for i in whole] + [(i, a) for _, i, a, _ in want]

@@ -44,11 +44,15 @@ from ftkit.capture.flatten import (
     short_repr,
     torch_dtype,
 )
+from ftkit.capture.slices import unshare
 from ftkit.errors import CorruptCheckpointError
 from ftkit.fs import open_regular, write_atomic
 
 MAGIC = b"FTKSHRD\0"
 VERSION = 1
+#: the header format of a shard shared by DP replicas (a ``share`` table: slices of the
+#: replicated tensors, :mod:`ftkit.capture.slices`); its framing is VERSION's
+SHARED = 2
 ALIGN = 64
 PAGE = 4096                   # large tensors' alignment (O_DIRECT's, any block size <= 4096)
 PAGE_MIN = 64 << 10           # tensors of this many bytes or more start at a PAGE multiple
@@ -85,7 +89,8 @@ def layout(meta: dict[str, Any], tree: Any, leaves: list[TensorLeaf],
     JSON), each entry ``{"path","kind","dtype","shape","nbytes","checksum","offset"}``. It is
     serialised once but for the offsets, whose digits its length depends on: the offsets are
     iterated on lengths alone (a capture lays out a shard on the training thread)."""
-    head = json.dumps({"format": VERSION, **meta, "tree": tree, "tensors": []},
+    head = json.dumps({"format": SHARED if "share" in meta else VERSION, **meta, "tree": tree,
+                       "tensors": []},
                       separators=(",", ":"))
     opening, closing = head[:-2], head[-2:]              # ...,"tensors":[   and   ]}
     entries = [_entry_json(lf, digest) for lf, digest in zip(leaves, sums)]
@@ -227,8 +232,13 @@ def _check_header(header: Any, hend: int, size: int) -> list[Span]:
     missing = [k for k in _REQUIRED if k not in header]
     if missing:
         raise ShardFormatError(f"malformed shard header: no {', '.join(missing)}")
-    if type(header["format"]) is not int or header["format"] != VERSION:
-        raise ShardFormatError(f"header format {short_repr(header['format'])}, expected {VERSION}")
+    fmt = header["format"]
+    if type(fmt) is not int or fmt not in (VERSION, SHARED):
+        raise ShardFormatError(f"header format {short_repr(fmt)}, expected {VERSION} (or "
+                               f"{SHARED}: shared by DP replicas)")
+    if (fmt == SHARED) != ("share" in header):
+        raise ShardFormatError(f"header format {fmt} {'without' if fmt == SHARED else 'with'} "
+                               f"a share table")
     _int(header["rank"], "rank")
     _int(header["step"], "step")
     world = header["world"]
@@ -241,7 +251,7 @@ def _check_header(header: Any, hend: int, size: int) -> list[Span]:
     spans = _spans(sorted(span for span, _ in entries), hend, size)
     if header["tree"] is not None:          # null: raw tensors, e.g. parity (see check)
         try:
-            check_tree(header["tree"], [leaf for _, leaf in entries])
+            check_tree(header["tree"], tree_leaves(header, [leaf for _, leaf in entries]))
         except DecodeError as exc:
             raise ShardFormatError(str(exc)) from None
     return spans
@@ -494,9 +504,21 @@ class Shard:
 
 
 def leaves_of(header: dict[str, Any]) -> list[TensorLeaf]:
-    """TensorLeaf descriptions of a shard header's tensors."""
+    """TensorLeaf descriptions of a shard header's tensors (the file's entries)."""
     return [TensorLeaf(t["path"], t["kind"], t["dtype"], tuple(t["shape"]), t["nbytes"])
             for t in header["tensors"]]
+
+
+def tree_leaves(header: dict[str, Any], entries: list[TensorLeaf] | None = None
+                ) -> list[TensorLeaf]:
+    """The state's tensors the header's tree indexes: its entries (``entries``, else
+    :func:`leaves_of`), or for a shard shared by DP replicas the whole entries and the
+    replicated tensors it holds slices of (:func:`ftkit.capture.slices.unshare`;
+    DecodeError when that table does not decode)."""
+    entries = leaves_of(header) if entries is None else entries
+    if header.get("format") != SHARED:
+        return entries
+    return unshare(header.get("share"), entries)[0]
 
 
 def iter_shard_files(directory: Path) -> Iterable[Path]:

@@ -23,9 +23,19 @@ import torch
 import xxhash
 
 from ftkit.capture.flatten import flatten, leaf_from_bytes, unflatten
+from ftkit.capture.slices import kept_leaves
 from ftkit.capture.staging import Stager
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage.shard import ALIGN, MAGIC, VERSION, Shard, leaves_of, write_shard
+from ftkit.storage.shard import (
+    ALIGN,
+    MAGIC,
+    SHARED,
+    VERSION,
+    Shard,
+    leaves_of,
+    tree_leaves,
+    write_shard,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support:UserWarning")
 
@@ -451,3 +461,72 @@ def test_random_bytes_anywhere(tmp_path: Path) -> None:
         for _ in range(rng.choice((1, 2, 8))):
             edit[rng.randrange(len(edit))] = rng.randrange(256)
         _accepted_decodes(bytes(edit), tmp_path / "f.ftk")
+
+
+# ------------------------------------------------------------- shards shared by DP replicas
+def _valid_shared(tmp_path: Path) -> bytes:
+    """Ring position 1 of 3 of a state whose tensors are all replicated but ``np``."""
+    tree, leaves = flatten(_state())
+    replicated = [i for i, leaf in enumerate(leaves) if leaf.path != "np"]
+    out, share = kept_leaves(leaves, replicated, 3, 1)
+    path = tmp_path / "shared.ftk"
+    write_shard(path, {**META, "share": share, "note": "x" * ROOM}, tree, out,
+                Stager().capture(out))
+    return path.read_bytes()
+
+
+def test_a_shared_shard_opens_and_its_tree_indexes_the_whole_state(tmp_path: Path) -> None:
+    data = _valid_shared(tmp_path)
+    with Shard.open(tmp_path / "shared.ftk", rank=2, step=7) as shard:
+        assert shard.header["format"] == SHARED
+        got = [(leaf.path, leaf.dtype, leaf.shape) for leaf in tree_leaves(shard.header)]
+        assert shard.tensors[0]["path"] == "np"           # the whole one first
+    _, leaves = flatten(_state())
+    assert got == [(leaf.path, leaf.dtype, leaf.shape) for leaf in leaves]
+    assert _header(data)["format"] == SHARED
+
+
+def _share(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(h: dict[str, Any]) -> None:
+        h["share"][key] = value
+    return mutate
+
+
+def _share_item(key: str, i: int, field: Any, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(h: dict[str, Any]) -> None:
+        h["share"][key][i][field] = value
+    return mutate
+
+
+SHARED_MUTATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "format-1-with-share": _set("format", VERSION),
+    "format-2-without-share": lambda h: h.pop("share"),
+    "share-not-object": _set("share", [1, 2]),
+    "position-past-the-ring": _share("position", 3),
+    "parts-zero": _share("parts", 0),
+    "parts-huge": _share("parts", 1 << 40),
+    "kept-other-slices": _share("kept", [0, 1]),
+    "whole-twice": lambda h: h["share"]["whole"].append(h["share"]["whole"][0]),
+    "whole-not-int": _share("whole", ["3"]),
+    "replicated-index-str": _share_item("replicated", 0, "index", "0"),
+    "replicated-dtype-lie": _share_item("replicated", 0, "dtype", "float64"),
+    "replicated-shape-bad": _share_item("replicated", 0, "shape", [-1]),
+    "replicated-path-int": _share_item("replicated", 0, "path", 7),
+    "span-shifted": _share_item("spans", 0, 2, 64),
+    "span-slice-other": _share_item("spans", 0, 0, 0),
+    "span-missing": lambda h: h["share"]["spans"].pop(),
+    "spans-not-list": _share("spans", None),
+    "span-entry-not-bytes": _set("tensors.1.dtype", "float32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_MUTATIONS))
+def test_crafted_share_table_is_refused(tmp_path: Path, name: str) -> None:
+    """Every lie in a shared shard's ``share`` table (or format) is refused by the checks
+    themselves (not their safety net), naming the file, rank and step."""
+    data = _valid_shared(tmp_path)
+    header = _header(data)
+    header.pop("note")
+    SHARED_MUTATIONS[name](header)
+    exc = _assert_refused(tmp_path / "rank-2.ftk", _craft(data, _dump(header)))
+    assert "malformed: " not in str(exc), exc

@@ -69,7 +69,7 @@ def test_each_replica_writes_its_two_slices_and_the_rest_whole(tmp_path, parts):
         [leaves[i] for i in replicated]))
     seen: dict[int, int] = {}
     for position in range(parts):
-        _, leaves = flatten(state)
+        tree, leaves = flatten(state)
         out, share = kept_leaves(leaves, replicated, parts, position)
         assert out[0] is leaves[own] and share["whole"] == [own]
         assert share["kept"] == list(kept(position, parts))
@@ -82,7 +82,7 @@ def test_each_replica_writes_its_two_slices_and_the_rest_whole(tmp_path, parts):
                    state["w"].untyped_storage().data_ptr() for x in live)
         path = tmp_path / f"rank-{position}.ftk"
         write_shard(path, {"step": 1, "rank": position, "world": parts, "share": share},
-                    None, out, Stager().capture(out))      # (the tree over spans: to come)
+                    tree, out, Stager().capture(out))
         with Shard.open(path) as shard:
             for j, (k, i, a, n) in enumerate(share["spans"]):
                 got = shard.raw(1 + j).tobytes()
