@@ -28,8 +28,8 @@ from mpi4py import MPI
 
 from ftkit._version import __version__
 from ftkit.capture import attached, shards
-from ftkit.capture.flatten import TensorLeaf, flatten
-from ftkit.capture.guard import OptimizerGuard, guarded_storage, optimizers_in
+from ftkit.capture.flatten import flatten
+from ftkit.capture.guard import OptimizerGuard, deferrable, optimizers_in
 from ftkit.capture.staging import Stager, Staging
 from ftkit.comm import flag as injob
 from ftkit.comm.dist import DistComm, describe
@@ -62,6 +62,7 @@ from ftkit.storage.levels import Levels
 from ftkit.storage.local import COMMITTED, LocalLevel
 from ftkit.storage.pfs import early
 from ftkit.storage.pfs.level import PfsLevel
+from ftkit.storage.replicas import Sharing
 
 log = logging.getLogger(__name__)
 State = MutableMapping[str, Any]
@@ -118,6 +119,7 @@ class Checkpointer:
             early.remove_stale(config.job_pfs_dir / early.STAGING)
         self.levels = Levels.build(topo, config, self.dc, self.local, self.faults)
         self.restorer = recovery.Restorer(self.dc, self.levels, self.faults, self._emit)
+        self.sharing = Sharing(topo, config.share_replicas == "on", config.timeout)
         self.pfs = PfsLevel(config, topo, self.local, DistComm(topo.comm, config.timeout),
                             self.faults, run_id=self.run_id) if config.interval("pfs") else None
         self.proto = TwoPhase(self.dc, self.levels.by_name(), self.faults,
@@ -343,7 +345,7 @@ class Checkpointer:
         parts: list[tuple[str, Callable[[], None]]] = [("levels", self.levels.free)]
         if self.pfs is not None:
             parts.append(("pfs", self.pfs.free))
-        parts += [("communicator", self.dc.free),
+        parts += [("communicator", self.dc.free), ("DP communicator", self.sharing.free),
                   ("locks", lambda: self.claim.release(tidy=tidy)),
                   ("in-job registration", lambda: injob.disown(self))]
         for what, free in parts:
@@ -432,12 +434,13 @@ class Checkpointer:
         try:
             self.faults.fire("capture", step)
             tree, leaves = flatten(state, attached.extra)
-            snap.tree, snap.leaves = tree, leaves
+            snap.tree, (snap.leaves, share) = tree, self.sharing.leaves(tree, leaves, step,
+                                                                        levels)
             snap.meta = {"job": self.config.job, "run": self.run_id, "step": step,
                          "rank": self.topo.rank,
                          "world": self.topo.world, "topology": self.topo.describe(),
                          "time": time.time(), "ftkit": __version__,
-                         **shards.describe(state, leaves)}
+                         **shards.describe(state, leaves), **({"share": share} if share else {})}
             self._state_bytes = sum(leaf.nbytes for leaf in leaves)
             into = None
             if "local" in levels:
@@ -446,11 +449,11 @@ class Checkpointer:
                 # hashed as they land (one pass); async: the training loop waits for plain
                 # copies only, the checksums run in the background
                 self.local.release(self._keep(step))
-                into = self.local.reserve(step, snap.meta, tree, leaves)
+                into = self.local.reserve(step, snap.meta, tree, snap.leaves)
                 snap.into = into
                 if self._pool is None:
                     self._write_early(snap)      # the PFS file, as the tensors land
-            snap.buffers, snap.staging = self.stager.start(leaves, self._deferrable(state),
+            snap.buffers, snap.staging = self.stager.start(snap.leaves, self._deferrable(state),
                                                              step=step, into=into)
         except Exception as exc:  # noqa: BLE001 - this rank votes no
             log.error("rank %d: capture of step %d failed: %s", self.topo.rank, step,
@@ -459,16 +462,12 @@ class Checkpointer:
         return snap
 
     def _deferrable(self, state: State) -> Any:
-        """Predicate for leaves staged in the background: tensors of guarded optimizers."""
+        """Predicate for leaves staged in the background (:func:`guard.deferrable`)."""
         if self._pool is None:
             return lambda leaf: False
         optimizers = optimizers_in(state)
         self._guard.install(optimizers)
-        ptrs = guarded_storage(optimizers)
-
-        def deferrable(leaf: TensorLeaf) -> bool:
-            return leaf.kind == "torch" and leaf.source.data_ptr() in ptrs
-        return deferrable
+        return deferrable(optimizers)
 
     def _protocol(self, snap: Snapshot) -> None:
         """Phases 2-7 of ``snap`` (all ranks call, on the checkpoint thread when async):
@@ -555,6 +554,7 @@ class Checkpointer:
                          {"completed_by": "restore"})
         self.local.park({s for s in self.local.steps() if s > step})
         self.local.retain(set(usable[:2]) | set(self.level_last.values()))
+        self.sharing.forget()                    # the replicas are compared again
         self.dc.barrier("restore-load", step)
 
     def _on_pfs(self, step: int) -> bool:

@@ -31,6 +31,11 @@ BACKPRESSURE_MODES = ("delay", "wait")
 #: own ``rank-<r>.h5``, the default) or ``shared`` (one ``ranks.h5``: rank 0 creates every
 #: rank's datasets, each rank writes its own bytes into it: ``ftkit.storage.pfs.h5shared``)
 PFS_FILES_MODES = ("rank", "shared")
+#: ``FTKIT_SHARE_REPLICAS``: whether the data-parallel replicas of a shard share one
+#: node-local snapshot, each keeping 2/D of the tensors they hold alike
+#: (:mod:`ftkit.storage.replicas`); ``off`` (every rank keeps its whole shard) until the
+#: restore reads shared shards
+SHARE_MODES = ("off", "on")
 #: ``FTKIT_TIMEOUT`` bounds, seconds: below 1 s a busy node misses control messages; past
 #: 7 days a stuck phase is never noticed (and a bogus ``inf`` or ``1e-9`` is a typo).
 MIN_TIMEOUT, MAX_TIMEOUT = 1.0, 7 * 86400.0
@@ -89,6 +94,7 @@ class Config:
     pfs_keep: int = 2                # committed PFS steps kept (older ones removed)
     pfs_backpressure: str = "delay"  # a flush still running: delay the next, or wait
     pfs_files: str = "rank"          # a file per rank, or one shared file of all ranks
+    share_replicas: str = "off"      # DP replicas share one node-local snapshot
     ranks_per_node: int = 0          # 0 = detect real nodes
     async_: bool = True
     timeout: float = 120.0
@@ -138,7 +144,7 @@ class Config:
             raise ConfigError(f"FTKIT_LOG_LEVEL: {self.log_level!r}; valid: {', '.join(LOG_LEVELS)}")
         object.__setattr__(self, "log_level", self.log_level.upper())
         for field, modes in (("start", START_MODES), ("pfs_backpressure", BACKPRESSURE_MODES),
-                             ("pfs_files", PFS_FILES_MODES)):
+                             ("pfs_files", PFS_FILES_MODES), ("share_replicas", SHARE_MODES)):
             object.__setattr__(self, field, _one_of(getattr(self, field), modes, field))
         text = ",".join(f"{name}:{every}" for name, every in self.levels or DEFAULT_LEVELS)
         object.__setattr__(self, "levels", parse_levels(text))
@@ -263,6 +269,7 @@ _KEYS = {
     "HEARTBEAT": "heartbeat",
     "FAULTS": "faults", "ATTEMPT": "attempt", "LOG_LEVEL": "log_level", "START": "start",
     "PFS_BACKPRESSURE": "pfs_backpressure", "PFS_FILES": "pfs_files",
+    "SHARE_REPLICAS": "share_replicas",
 }
 #: FTKIT_* variables that are not configuration but are set by ftkit itself.
 _RESERVED_ENV = {"FTKIT_CONFIG", "FTKIT_DONE_FILE", "FTKIT_FATAL_DIR", "FTKIT_ROOT",

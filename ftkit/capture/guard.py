@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ftkit.capture.flatten import TensorLeaf
+
 
 def optimizers_in(state: Any) -> list[Any]:
     """The torch optimizers found in the containers (dicts, lists, tuples) of ``state``."""
@@ -52,6 +54,19 @@ def guarded_storage(optimizers: list[Any]) -> set[int]:
             ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
     ptrs.discard(0)
     return ptrs
+
+
+def deferrable(optimizers: list[Any]) -> Callable[[TensorLeaf], bool]:
+    """Whether a leaf may be staged in the background: a parameter or state tensor of one
+    of ``optimizers`` (whose step waits for the staging), or a span of one (a view of its
+    bytes, as a shard shared by DP replicas writes)."""
+    ptrs = guarded_storage(optimizers)
+
+    def pred(leaf: TensorLeaf) -> bool:
+        src = leaf.source if leaf.kind == "torch" else None
+        return src is not None and (src.data_ptr() in ptrs or (
+            src._base is not None and src._base.data_ptr() in ptrs))
+    return pred
 
 
 class OptimizerGuard:

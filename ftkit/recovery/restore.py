@@ -38,11 +38,12 @@ from ftkit.errors import (
 from ftkit.faults import Faults
 from ftkit.recovery import peerload, rebuild
 from ftkit.recovery.plan import Plan, make_plan
+from ftkit.recovery.sharedload import entry_dests, exchange
 from ftkit.storage.level import Report
 from ftkit.storage.levels import Levels
 from ftkit.storage.local import LocalLevel
 from ftkit.storage.pfs.retention import remove_steps
-from ftkit.storage.shard import Shard, leaves_of
+from ftkit.storage.shard import Shard, tree_leaves
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,14 @@ class Restorer:
             assert reading is not None
             check_fits(dc, state, reading.tree, step)     # nothing is written unless all fit
             try:
-                _read_checked(shard, reading, dc.rank, step)
+                entries = dataclasses.replace(reading, dests=entry_dests(shard, reading))
+                _read_checked(shard, entries, dc.rank, step)
+            except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
+                failure = one_line(exc)
+            if not self._agreed_loadable(found, step, failure):
+                return False
+            try:                   # the slices of a shared shard kept by other replicas
+                exchange(dc, shard, reading, step)
             except Exception as exc:  # noqa: BLE001 - agreed below: the step is unusable
                 failure = one_line(exc)
             if not self._agreed_loadable(found, step, failure):
@@ -404,13 +412,14 @@ def _plan_reading(shard: Shard, rank: int, step: int, state: Any) -> Reading:
     tensors than the live state (:func:`ftkit.capture.shards.cut_difference`: loading them
     in place would put them in the wrong place). Local."""
     try:
-        reading = plan_reading(leaves_of(shard.header), shard.header["tree"], state)
+        leaves = tree_leaves(shard.header)
+        reading = plan_reading(leaves, shard.header["tree"], state)
     except DecodeError as exc:
         raise CorruptCheckpointError(str(shard.path), str(exc), rank=rank, step=step) \
             from None
     specs = header_table(shard.header, "shards")
-    saved = {t["path"]: ShardSpec.from_json(specs[str(i)]) if str(i) in specs else None
-             for i, t in enumerate(shard.header["tensors"])}
+    saved = {t.path: ShardSpec.from_json(specs[str(i)]) if str(i) in specs else None
+             for i, t in enumerate(leaves)}
     why = cut_difference(saved, state, live_leaves(state, attached.extra_layout))
     if why is not None:
         raise ValueError(f"step {step} was saved with another cut: {why} (DTensor placements "

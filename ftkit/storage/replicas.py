@@ -19,11 +19,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ftkit.capture.flatten import Skeleton, TensorLeaf
 from ftkit.capture.rng import rank_local_indices
+from ftkit.capture.slices import kept_leaves
 from ftkit.capture.staging import copy_leaf, host_bytes
 from ftkit.comm.dist import DistComm
+from ftkit.comm.topology import Topology
 from ftkit.storage.shard import checksum
 
 log = logging.getLogger(__name__)
@@ -89,3 +92,65 @@ def _differs(prints: Sequence[list[Any] | None], ranks: Sequence[int]) -> str:
         words.append(f"ranks {rs}: " + ("rank-local or no such tensor" if p is None else
                                         f"{p[0]} {p[2]} {p[3]} {p[5]}"))
     return "; ".join(words)
+
+
+class Sharing:
+    """Whether this rank's node-local shard is shared with its DP replicas, and what it
+    writes then. On when asked (``FTKIT_SHARE_REPLICAS=on``), dp > 1 and every shard's
+    replicas sit on a ring whose neighbours are on different nodes
+    (:meth:`Topology.dp_ring`; else one warning at start and whole shards). A step due at
+    the PFS stays whole (the PFS level flushes whole shards)."""
+
+    def __init__(self, topo: Topology, enabled: bool, timeout: float) -> None:
+        self.rank = topo.rank
+        self.ring = topo.dp_ring() if enabled else None
+        if enabled and self.ring is None and topo.rank == 0:
+            log.warning("FTKIT_SHARE_REPLICAS=on, but %s: every rank keeps its whole shard",
+                        "dp is 1" if topo.dp == 1 else "some shard's data-parallel replicas "
+                        "cannot form a ring whose neighbours sit on different nodes (one node "
+                        "holds more than half of them)")
+        self.dc = DistComm(topo.dp_group, timeout) if self.ring is not None else None
+        self._known: tuple[str, Replication] | None = None
+
+    def leaves(self, tree: Skeleton, leaves: list[TensorLeaf], step: int,
+               levels: Sequence[str]) -> tuple[list[TensorLeaf], dict[str, Any] | None]:
+        """The tensors this rank writes at ``step`` and the shard's ``share`` table
+        (:func:`~ftkit.capture.slices.kept_leaves`), or ``leaves`` and None (a whole shard:
+        not sharing, a step due at the PFS, nothing replicated). Collective over the DP
+        group when sharing: every replica's ``save`` calls."""
+        if self.dc is None or self.ring is None or "pfs" in levels:
+            return leaves, None
+        replication = self._replication(tree, leaves, step)
+        if not replication.replicated:
+            return leaves, None
+        return kept_leaves(leaves, replication.replicated, len(self.ring),
+                           self.ring.index(self.rank))
+
+    def forget(self) -> None:
+        """Compare the replicas again at the next save (after a restore). Local."""
+        self._known = None
+
+    def free(self) -> None:
+        """Free the DP group's communicator. Local."""
+        if self.dc is not None:
+            self.dc.free()
+            self.dc = None
+
+    def _replication(self, tree: Skeleton, leaves: list[TensorLeaf], step: int
+                     ) -> Replication:
+        """The classification of the last comparison while every replica's tensors keep
+        the same places, dtypes and shapes; else (or on a replica that has none) a new
+        one, on every replica. Collective over the DP group."""
+        assert self.dc is not None
+        mine = _layout(leaves)
+        seen = self.dc.allgather([mine, self._known and self._known[0]], PHASE, step)
+        if any(known != layout or known is None for layout, known in seen):
+            self._known = (mine, classify(self.dc, self.rank, tree, leaves, step=step))
+        assert self._known is not None
+        return self._known[1]
+
+
+def _layout(leaves: Sequence[TensorLeaf]) -> str:
+    """A digest of the tensors' places, kinds, dtypes and shapes."""
+    text = json.dumps([[x.path, x.kind, x.dtype, list(x.shape)] for x in leaves])
+    return xxhash.xxh3_64_hexdigest(text.encode())

@@ -1,0 +1,127 @@
+"""Load a step whose node-local shards the data-parallel replicas shared.
+
+A shared shard (header format 2, :mod:`ftkit.capture.slices`) holds its rank's other tensors
+whole and two of the D slices of the tensors the replicas hold alike. Its entries are read
+like any shard's, each into the bytes of its destination: a whole tensor's, or the span of a
+replicated tensor it holds (:func:`entry_dests`). The slices a rank does not keep then come
+from the replica that owns them (ring position k sends slice k, the one position k - 1 also
+keeps) over MPI, straight into the live tensors, each span hashed where it landed and
+compared with the checksum the sender's header gives it (:func:`exchange`). Any mismatch or
+timeout fails the load on every rank like a damaged shard.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ftkit import passes
+from ftkit.capture.inplace import Reading
+from ftkit.capture.slices import plan, unshare
+from ftkit.comm.dist import DistComm
+from ftkit.errors import CorruptCheckpointError
+from ftkit.storage.shard import SHARED, Shard, checksum, leaves_of
+
+PHASE = "restore-load"
+_GPU = ("a replicated tensor on a GPU cannot be loaded from a shard shared by DP replicas "
+        "yet")
+
+
+def entry_dests(shard: Shard, reading: Reading) -> list[Any]:
+    """The destination of each of ``shard``'s entries, from ``reading`` (planned over the
+    whole state, :func:`ftkit.storage.shard.tree_leaves`): a whole tensor's, or the bytes
+    of the span it holds of a replicated one. ValueError when such a tensor's destination
+    is not host memory (a GPU tensor: not loaded from shared shards yet)."""
+    if shard.header.get("format") != SHARED:
+        return reading.dests
+    share = shard.header["share"]
+    _, places = unshare(share, leaves_of(shard.header))
+    out = []
+    for j, ((i, start), t) in enumerate(zip(places, shard.tensors)):
+        dest = reading.dests[i]
+        out.append(dest if j < len(share["whole"]) else
+                   _host(dest)[start:start + t["nbytes"]])
+    return out
+
+
+def share_info(shard: Shard) -> dict[str, Any] | None:
+    """What the other replicas need of this rank's shared shard: its (tp, pp) shard, ring
+    size and position, and the checksum of every span of each slice it keeps; None for a
+    whole shard. Local."""
+    header = shard.header
+    if header.get("format") != SHARED:
+        return None
+    share, topo = header["share"], header.get("topology", {})
+    sums: dict[str, list[str]] = {}
+    for j, (k, *_rest) in enumerate(share["spans"]):
+        sums.setdefault(str(k), []).append(shard.tensors[len(share["whole"]) + j]["checksum"])
+    return {"key": [topo.get("tp_idx"), topo.get("pp_idx")], "parts": share["parts"],
+            "position": share["position"], "sums": sums}
+
+
+def exchange(dc: DistComm, shard: Shard, reading: Reading, step: int) -> None:
+    """Give every replica the slices it does not keep: ring position k sends slice k's
+    spans from its loaded tensors to every position that does not keep it, each receives
+    them into its own tensors and checks them (CorruptCheckpointError naming the sender,
+    the slice and the tensor; ProtocolTimeout). Nothing moves when no shard is shared.
+    All ranks call, after every rank read its own shard."""
+    mine = share_info(shard)
+    every = dc.allgather(mine, PHASE, step)
+    if mine is None:
+        return
+    ring = {e["position"]: r for r, e in enumerate(every) if e and e["key"] == mine["key"]}
+    parts, me = mine["parts"], mine["position"]
+    if sorted(ring) != list(range(parts)):
+        raise CorruptCheckpointError(str(shard.path), f"the ring of {parts} replicas is not "
+                                     f"whole: positions {sorted(ring)}", rank=dc.rank, step=step)
+    slices = _slices(shard, parts)
+    reqs: list[MPI.Request] = []
+    keep: list[np.ndarray] = []
+    landed: list[tuple[int, int, np.ndarray, str, str]] = []
+    for k in range(parts):
+        keepers = {k, (k - 1) % parts}
+        if me == k:                                  # the owner sends it to the others
+            for p in sorted(set(range(parts)) - keepers):
+                tag = dc.bulk_tag(step, dc.rank, ring[p])
+                for view, _ in _views(shard, reading, slices[k]):
+                    reqs.append(dc.comm.Isend([view, MPI.BYTE], ring[p], tag))
+                    keep.append(view)
+        elif me not in keepers:                      # it comes from its owner
+            tag = dc.bulk_tag(step, ring[k], dc.rank)
+            sums = every[ring[k]]["sums"].get(str(k), [])
+            for j, (view, path) in enumerate(_views(shard, reading, slices[k])):
+                reqs.append(dc.comm.Irecv([view, MPI.BYTE], ring[k], tag))
+                keep.append(view)
+                landed.append((ring[k], k, view, path, sums[j] if j < len(sums) else "?"))
+    nbytes = sum(v.nbytes for v in keep)
+    dc.waitall_bulk(reqs, PHASE, step, nbytes, keep)
+    passes.count("recv", sum(v.nbytes for _, _, v, _, _ in landed))
+    for sender, k, view, path, want in landed:
+        if checksum(view) != want:
+            raise CorruptCheckpointError(
+                str(shard.path), f"slice {k} of {path} sent by rank {sender} does not match "
+                f"its checksum", rank=dc.rank, step=step)
+
+
+def _slices(shard: Shard, parts: int) -> list[Any]:
+    """The D slices of the shared shard's replicated tensors (both ends cut them alike)."""
+    described = shard.header["share"]["replicated"]
+    return plan([(d["index"], d["nbytes"]) for d in described], parts)
+
+
+def _views(shard: Shard, reading: Reading, piece: Any) -> list[tuple[np.ndarray, str]]:
+    """The destination bytes of each span of a slice, with its tensor's path."""
+    paths = {d["index"]: d["path"] for d in shard.header["share"]["replicated"]}
+    out = []
+    for span in piece.spans:
+        dest = _host(reading.dests[span.leaf])
+        out.append((dest[span.start:span.start + span.nbytes], paths[span.leaf]))
+    return out
+
+
+def _host(dest: Any) -> np.ndarray:
+    """A destination in host memory (ValueError for a GPU tensor's)."""
+    if isinstance(dest, np.ndarray):
+        return dest
+    raise ValueError(_GPU)
