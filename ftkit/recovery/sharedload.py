@@ -14,14 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import xxhash
 from mpi4py import MPI
 
-from ftkit import passes
 from ftkit.capture.inplace import Reading
 from ftkit.capture.slices import plan, unshare
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
-from ftkit.storage.shard import SHARED, Shard, checksum, leaves_of
+from ftkit.storage.redundancy.fetch import cuts, receive_hashed
+from ftkit.storage.shard import SHARED, XXH3, Shard, leaves_of
 
 PHASE = "restore-load"
 _GPU = ("a replicated tensor on a GPU cannot be loaded from a shard shared by DP replicas "
@@ -76,31 +77,39 @@ def exchange(dc: DistComm, shard: Shard, reading: Reading, step: int) -> None:
         raise CorruptCheckpointError(str(shard.path), f"the ring of {parts} replicas is not "
                                      f"whole: positions {sorted(ring)}", rank=dc.rank, step=step)
     slices = _slices(shard, parts)
-    reqs: list[MPI.Request] = []
+    sends: list[MPI.Request] = []
     keep: list[np.ndarray] = []
-    landed: list[tuple[int, int, np.ndarray, str, str]] = []
-    for k in range(parts):
-        keepers = {k, (k - 1) % parts}
-        if me == k:                                  # the owner sends it to the others
-            for p in sorted(set(range(parts)) - keepers):
-                tag = dc.bulk_tag(step, dc.rank, ring[p])
-                for view, _ in _views(shard, reading, slices[k]):
-                    reqs.append(dc.comm.Isend([view, MPI.BYTE], ring[p], tag))
-                    keep.append(view)
-        elif me not in keepers:                      # it comes from its owner
-            tag = dc.bulk_tag(step, ring[k], dc.rank)
-            sums = every[ring[k]]["sums"].get(str(k), [])
-            for j, (view, path) in enumerate(_views(shard, reading, slices[k])):
-                reqs.append(dc.comm.Irecv([view, MPI.BYTE], ring[k], tag))
+    for p in sorted(set(range(parts)) - {me, (me - 1) % parts}):   # I own slice me
+        tag = dc.bulk_tag(step, dc.rank, ring[p])
+        for view, _ in _views(shard, reading, slices[me]):
+            for a, n in cuts(0, len(view)):
+                sends.append(dc.comm.Isend([view[a:a + n], MPI.BYTE], ring[p], tag))
                 keep.append(view)
-                landed.append((ring[k], k, view, path, sums[j] if j < len(sums) else "?"))
-    nbytes = sum(v.nbytes for v in keep)
-    dc.waitall_bulk(reqs, PHASE, step, nbytes, keep)
-    passes.count("recv", sum(v.nbytes for _, _, v, _, _ in landed))
-    for sender, k, view, path, want in landed:
-        if checksum(view) != want:
+    try:
+        for k in range(parts):
+            if k in (me, (me + 1) % parts):          # a slice I keep
+                continue
+            _receive_slice(dc, shard, reading, slices[k], k, ring[k], every[ring[k]], step)
+    except BaseException:
+        dc.release(sends, keep)
+        raise
+    dc.waitall_bulk(sends, PHASE, step, sum(v.nbytes for v in keep), keep)
+
+
+def _receive_slice(dc: DistComm, shard: Shard, reading: Reading, piece: Any, k: int,
+                   owner: int, info: dict[str, Any], step: int) -> None:
+    """Slice ``k`` from its ``owner`` into this rank's tensors, each span hashed as its
+    pieces land and compared with the checksum of the owner's entry (``info["sums"]``).
+    CorruptCheckpointError naming the tensor, the slice and the owner on a mismatch."""
+    tag = dc.bulk_tag(step, owner, dc.rank)
+    sums = info["sums"].get(str(k), [])
+    for j, (view, path) in enumerate(_views(shard, reading, piece)):
+        h = xxhash.xxh3_64()
+        receive_hashed(dc, owner, tag, [view[a:a + n] for a, n in cuts(0, len(view))], h,
+                       step)
+        if j >= len(sums) or XXH3 + h.hexdigest() != sums[j]:
             raise CorruptCheckpointError(
-                str(shard.path), f"slice {k} of {path} sent by rank {sender} does not match "
+                str(shard.path), f"slice {k} of {path} sent by rank {owner} does not match "
                 f"its checksum", rank=dc.rank, step=step)
 
 

@@ -14,6 +14,7 @@ import torch
 import ftkit
 from ftkit import Checkpointer, Config
 from ftkit.faults import flip_byte
+from ftkit.recovery import sharedload
 from ftkit.storage.shard import SHARED, Shard
 
 from .mpi_helpers import RANK, WORLD, allgather, canon, diff, events, lose_node, topology
@@ -118,3 +119,26 @@ def test_without_a_ring_across_nodes_every_shard_stays_whole(ftkit_env, caplog):
     assert fmt == 1
     said = [r.getMessage() for r in caplog.records if "FTKIT_SHARE_REPLICAS" in r.getMessage()]
     assert len(said) == (1 if RANK == 0 else 0), said
+
+
+def test_a_slice_that_arrives_damaged_fails_the_step_everywhere(ftkit_env, monkeypatch):
+    """Rank 0 announces a wrong checksum for the slice it owns of step 2 (as if its bytes
+    changed on the way): the two replicas that receive that slice catch it as it lands,
+    step 2 is refused on every rank, naming the slice and the sender, and step 1 is
+    restored bit-exact."""
+    real = sharedload.share_info
+
+    def lying(shard: Any) -> Any:
+        info = real(shard)
+        if RANK == 0 and info is not None and shard.header["step"] == 2:
+            for sums in info["sums"].values():
+                sums[:] = ["xxh3-64:" + "0" * 16] * len(sums)
+        return info
+    monkeypatch.setattr(sharedload, "share_info", lying)
+    with topology() as topo:
+        expected = _save(topo, [1, 2])
+        step, got = _restore(topo)
+    assert allgather(step) == [1] * 4
+    assert allgather(diff(expected[1], got)) == [[]] * 4
+    skips = [e for e in events(ftkit_env.events_path) if e["event"] == "restore-skip"]
+    assert len(skips) == 1 and "sent by rank 0 does not match its checksum" in str(skips), skips

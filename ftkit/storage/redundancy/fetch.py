@@ -182,28 +182,34 @@ class RemoteShard(Shard):
         return XXH3 + h.hexdigest() == t["checksum"]
 
     def _receive(self, parts: list[np.ndarray], h: Any) -> None:
-        """Receive ``parts`` in order, FLIGHT in flight, each hashed as it lands; under the
-        bulk deadline of their bytes (ProtocolTimeout, the receives released)."""
-        dc, nbytes = self.dc, sum(len(p) for p in parts)
-        clock = dc.deadline(nbytes)
-        flight: list[tuple[MPI.Request, np.ndarray]] = []
-        nxt = 0
-        try:
-            while nxt < len(parts) or flight:
-                while len(flight) < FLIGHT and nxt < len(parts):
-                    flight.append((dc.comm.Irecv([parts[nxt], MPI.BYTE], self.holder,
-                                                 self.tag), parts[nxt]))
-                    nxt += 1
-                if flight[0][0].Test():
-                    h.update(flight.pop(0)[1].data)
-                elif clock.expired():
-                    raise dc.timeout_error(PHASE, self.step, nbytes=nbytes)
-                else:
-                    time.sleep(0)            # let the checkpoint thread run
-        except BaseException:
-            dc.release([r for r, _ in flight], [p for _, p in flight])
-            raise
-        passes.count("recv", nbytes)
+        receive_hashed(self.dc, self.holder, self.tag, parts, h, self.step)
 
     def close(self) -> None:
         """Nothing is mapped or open."""
+
+
+def receive_hashed(dc: DistComm, source: int, tag: int, parts: list[np.ndarray], h: Any,
+                   step: int, phase: str = PHASE) -> None:
+    """Receive ``parts`` from ``source`` in order (its sends of the same cuts, one ``tag``),
+    FLIGHT in flight, each fed to the hash ``h`` the moment it lands (in cache); under the
+    bulk deadline of their bytes (ProtocolTimeout, the receives released). Local."""
+    nbytes = sum(len(p) for p in parts)
+    clock = dc.deadline(nbytes)
+    flight: list[tuple[MPI.Request, np.ndarray]] = []
+    nxt = 0
+    try:
+        while nxt < len(parts) or flight:
+            while len(flight) < FLIGHT and nxt < len(parts):
+                flight.append((dc.comm.Irecv([parts[nxt], MPI.BYTE], source, tag),
+                               parts[nxt]))
+                nxt += 1
+            if flight[0][0].Test():
+                h.update(flight.pop(0)[1].data)
+            elif clock.expired():
+                raise dc.timeout_error(phase, step, nbytes=nbytes)
+            else:
+                time.sleep(0)            # let the checkpoint thread run
+    except BaseException:
+        dc.release([r for r, _ in flight], [p for _, p in flight])
+        raise
+    passes.count("recv", nbytes)
