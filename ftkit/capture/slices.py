@@ -95,8 +95,9 @@ def kept_leaves(leaves: Sequence[TensorLeaf], replicated: Sequence[int], parts: 
     chosen = set(replicated)
     out = [leaf for i, leaf in enumerate(leaves) if i not in chosen]
     spans: list[list[int]] = []
+    slices = plan([(i, leaves[i].nbytes) for i in replicated], parts)
     for k in kept(position, parts):
-        for span in plan([(i, leaves[i].nbytes) for i in replicated], parts)[k].spans:
+        for span in slices[k].spans:
             out.append(_span_leaf(leaves[span.leaf], span))
             spans.append([k, span.leaf, span.start, span.nbytes])
     share = {"parts": parts, "position": position, "kept": list(kept(position, parts)),
@@ -172,8 +173,9 @@ def _unshare(share: Any, entries: Sequence[TensorLeaf]
         full[d["index"]] = TensorLeaf(path, kind, dtype, tuple(shape), nbytes)
     leaves = [leaf for leaf in full if leaf is not None]
     replicated = [d["index"] for d in described]
+    slices = plan([(i, leaves[i].nbytes) for i in replicated], parts)
     want = [[k, s.leaf, s.start, s.nbytes] for k in kept(position, parts)
-            for s in plan([(i, leaves[i].nbytes) for i in replicated], parts)[k].spans]
+            for s in slices[k].spans]
     if share.get("spans") != want or len(entries) != len(whole) + len(want):
         raise bad("the spans are not those of the kept slices")
     for entry, (_, i, a, n) in zip(entries[len(whole):], want):
