@@ -32,6 +32,9 @@ from ftkit.storage.shard import checksum
 log = logging.getLogger(__name__)
 #: the phase of the comparison's collective (it runs in ``save`` or ``restore``)
 PHASE = "replicas"
+#: a fingerprint's last field for a tensor on a GPU (kept whole: the restore of a shared
+#: snapshot lands slices in host memory only, for now)
+ON_DEVICE = "on-device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,10 @@ def classify(dc: DistComm, world_rank: int, tree: Skeleton, leaves: Sequence[Ten
             continue
         prints = [e["leaves"][i] if i < len(e["leaves"]) else None for e in every]
         if all(p is not None and p == prints[0] for p in prints):
-            replicated.append(i)
+            if prints[0] and prints[0][-1] == ON_DEVICE:
+                whole[i] = "on a GPU: shared snapshots hold host tensors only, for now"
+            else:
+                replicated.append(i)
             continue
         whole[i] = _differs(prints, ranks)
         if dc.rank == 0:
@@ -73,7 +79,11 @@ def classify(dc: DistComm, world_rank: int, tree: Skeleton, leaves: Sequence[Ten
 
 def _fingerprint(leaf: TensorLeaf) -> list[Any]:
     """What must agree for two replicas' tensors to be one: place, kind, dtype, shape,
-    size and a checksum of the bytes."""
+    size and a checksum of the bytes (:data:`ON_DEVICE` instead for a tensor on a GPU:
+    it stays whole, its bytes are not read)."""
+    device = getattr(getattr(leaf.source, "device", None), "type", "cpu")
+    if leaf.kind == "torch" and device != "cpu":
+        return [leaf.path, leaf.kind, leaf.dtype, list(leaf.shape), leaf.nbytes, ON_DEVICE]
     raw = host_bytes(leaf.source) if leaf.nbytes else np.empty(0, dtype=np.uint8)
     if raw is None:
         raw = np.empty(leaf.nbytes, dtype=np.uint8)
