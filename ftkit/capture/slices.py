@@ -124,7 +124,6 @@ def _span_leaf(leaf: TensorLeaf, span: Span) -> TensorLeaf:
                       source)
 
 
-
 def unshare(share: Any, entries: Sequence[TensorLeaf]
             ) -> tuple[list[TensorLeaf], list[tuple[int, int]]]:
     """Decode the ``share`` table of a shard whose tensor ``entries`` :func:`kept_leaves`

@@ -18,7 +18,7 @@ import xxhash
 from mpi4py import MPI
 
 from ftkit.capture.inplace import Reading
-from ftkit.capture.slices import plan, unshare
+from ftkit.capture.slices import holders, kept, plan, unshare
 from ftkit.comm.dist import DistComm
 from ftkit.errors import CorruptCheckpointError
 from ftkit.storage.redundancy.fetch import cuts, receive_hashed
@@ -79,7 +79,7 @@ def exchange(dc: DistComm, shard: Shard, reading: Reading, step: int) -> None:
     slices = _slices(shard, parts)
     sends: list[MPI.Request] = []
     keep: list[np.ndarray] = []
-    for p in sorted(set(range(parts)) - {me, (me - 1) % parts}):   # I own slice me
+    for p in sorted(set(range(parts)) - set(holders(me, parts))):   # I own slice me
         tag = dc.bulk_tag(step, dc.rank, ring[p])
         for view, _ in _views(shard, reading, slices[me]):
             for a, n in cuts(0, len(view)):
@@ -87,7 +87,7 @@ def exchange(dc: DistComm, shard: Shard, reading: Reading, step: int) -> None:
                 keep.append(view)
     try:
         for k in range(parts):
-            if k in (me, (me + 1) % parts):          # a slice I keep
+            if k in kept(me, parts):
                 continue
             _receive_slice(dc, shard, reading, slices[k], k, ring[k], every[ring[k]], step)
     except BaseException:
